@@ -1,0 +1,23 @@
+# Decides whether the CUDA/NCCL path is built. AUTO builds it when a CUDA
+# compiler and NCCL are found, and builds the CPU-only runtime otherwise.
+set(HVDZ_WITH_CUDA 0)
+if(NOT HVDZ_CUDA STREQUAL "OFF")
+  include(CheckLanguage)
+  check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+      # Hopper (H100/H200) is the target; PTX lets newer GPUs JIT it.
+      set(CMAKE_CUDA_ARCHITECTURES 90)
+    endif()
+    enable_language(CUDA)
+    find_package(CUDAToolkit REQUIRED)
+    find_package(NCCL)
+    if(NCCL_FOUND)
+      set(HVDZ_WITH_CUDA 1)
+    endif()
+  endif()
+  if(HVDZ_CUDA STREQUAL "ON" AND NOT HVDZ_WITH_CUDA)
+    message(FATAL_ERROR "HVDZ_CUDA=ON but no CUDA compiler or NCCL was found")
+  endif()
+endif()
+message(STATUS "horovod_zero: CUDA/NCCL path ${HVDZ_WITH_CUDA}")

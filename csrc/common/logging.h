@@ -1,0 +1,48 @@
+// Logger owned by the Runtime (no process-wide logger): each line carries the
+// rank, the level and the file:line where it was written.
+#pragma once
+
+#include <sstream>
+#include <string>
+
+namespace hvdz {
+
+enum class LogLevel { kTrace = 0, kDebug, kInfo, kWarning, kError, kFatal };
+
+// Parses HOROVOD_LOG_LEVEL's words; unknown words fall back to warning.
+LogLevel ParseLogLevel(const std::string& s);
+
+class Logger {
+ public:
+  explicit Logger(LogLevel level = LogLevel::kWarning, int rank = -1) : level_(level), rank_(rank) {}
+  bool Enabled(LogLevel l) const { return l >= level_; }
+  void Write(LogLevel l, const char* file, int line, const std::string& msg) const;
+  void set_rank(int r) { rank_ = r; }
+
+ private:
+  LogLevel level_;
+  int rank_;
+};
+
+// Collects one line and writes it when the statement ends.
+class LogLine {
+ public:
+  LogLine(const Logger& lg, LogLevel l, const char* file, int line)
+      : lg_(lg), level_(l), file_(file), line_(line) {}
+  ~LogLine() { lg_.Write(level_, file_, line_, os_.str()); }
+  std::ostringstream& stream() { return os_; }
+
+ private:
+  const Logger& lg_;
+  LogLevel level_;
+  const char* file_;
+  int line_;
+  std::ostringstream os_;
+};
+
+#define HVDZ_LOG(logger, LEVEL)                                  \
+  if (!(logger).Enabled(::hvdz::LogLevel::LEVEL)) {              \
+  } else                                                         \
+    ::hvdz::LogLine((logger), ::hvdz::LogLevel::LEVEL, __FILE__, __LINE__).stream()
+
+}  // namespace hvdz

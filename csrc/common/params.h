@@ -1,0 +1,26 @@
+// Every HOROVOD_* setting the core reads, declared once with its default.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "common/logging.h"
+
+namespace hvdz {
+
+struct Params {
+  int64_t fusion_threshold_bytes = 128ll * 1024 * 1024;  // HOROVOD_FUSION_THRESHOLD; 0: no fusion
+  double cycle_time_ms = 1.0;                            // HOROVOD_CYCLE_TIME
+  int cache_capacity = 1024;                             // HOROVOD_CACHE_CAPACITY; 0: no cache
+  std::string timeline_path;                             // HOROVOD_TIMELINE
+  LogLevel log_level = LogLevel::kWarning;               // HOROVOD_LOG_LEVEL
+  double stall_check_seconds = 60.0;                     // HOROVOD_STALL_CHECK_TIME_SECONDS
+  double stall_shutdown_seconds = 0.0;                   // HOROVOD_STALL_SHUTDOWN_TIME_SECONDS
+  double transport_timeout_seconds = 30.0;               // HOROVOD_GLOO_TIMEOUT_SECONDS
+
+  // Reads the environment; a value that does not parse keeps the default and is
+  // reported in *warnings so that the caller can log it once a logger exists.
+  static Params FromEnvironment(std::string* warnings);
+};
+
+}  // namespace hvdz

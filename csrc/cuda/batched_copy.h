@@ -1,0 +1,19 @@
+// One kernel launch copies many (src, dst, count) ranges, casting between
+// floating-point dtypes and scaling on the way (copy-in and copy-out of fusion).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "common/types.h"
+#include "fusion/copy_desc.h"
+
+namespace hvdz {
+
+// Supported: any pair of float16/bfloat16/float32/float64, and identity copies of
+// every dtype (integer dtypes take scale == 1 only).
+bool BatchedCopySupported(DataType src, DataType dst);
+
+cudaError_t LaunchBatchedCopy(const CopyDesc* descs, int n, DataType src, DataType dst,
+                              double scale, cudaStream_t stream);
+
+}  // namespace hvdz

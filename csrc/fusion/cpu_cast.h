@@ -1,0 +1,23 @@
+// CPU copy-with-cast-and-scale, and the scalar conversions it is built on.
+// fp32 -> bf16/fp16 rounds to nearest, ties to even, like torch's .to().
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "common/types.h"
+#include "fusion/copy_desc.h"
+
+namespace hvdz {
+
+uint16_t FloatToBFloat16(float f);
+float BFloat16ToFloat(uint16_t h);
+uint16_t FloatToHalf(float f);
+float HalfToFloat(uint16_t h);
+
+// dst[i] = cast<dst_type>(src[i] * scale) for every descriptor. Integer dtypes
+// require scale == 1 (checked at the API edge). src may equal dst (in place).
+void CpuBatchedCopy(const std::vector<CopyDesc>& descs, DataType src_type, DataType dst_type,
+                    double scale);
+
+}  // namespace hvdz

@@ -1,0 +1,191 @@
+#include "negotiation/controller.h"
+
+#include <cstring>
+
+namespace hvdz {
+namespace {
+
+bool TestBit(const std::vector<uint64_t>& v, uint32_t pos) { return (v[pos / 64] >> (pos % 64)) & 1; }
+void SetBit(std::vector<uint64_t>* v, uint32_t pos) { (*v)[pos / 64] |= uint64_t{1} << (pos % 64); }
+
+template <typename F>
+void ForEachBit(const std::vector<uint64_t>& v, F f) {
+  for (size_t w = 0; w < v.size(); ++w) {
+    for (uint64_t bits = v[w]; bits; bits &= bits - 1) {
+      f(static_cast<uint32_t>(w * 64 + __builtin_ctzll(bits)));
+    }
+  }
+}
+
+}  // namespace
+
+Controller::Controller(ControlPlane& cp, const Params& params, const Logger& log)
+    : cp_(cp),
+      log_(log),
+      cache_(static_cast<uint32_t>(params.cache_capacity)),
+      coordinator_(cp.size()),
+      stalls_(params.stall_check_seconds, params.stall_shutdown_seconds, cp.size(), log),
+      words_((static_cast<size_t>(params.cache_capacity) + 63) / 64) {}
+
+void Controller::Classify(const Request& r) {
+  uint32_t pos = 0;
+  switch (cache_.Find(r, &pos)) {
+    case ResponseCache::Lookup::kHit:
+      pending_hits_[pos] = r;
+      return;
+    case ResponseCache::Lookup::kInvalid:
+      SetBit(&my_invalid_, pos);
+      [[fallthrough]];
+    case ResponseCache::Lookup::kMiss:
+      unsent_.push_back(r);
+      return;
+  }
+}
+
+std::vector<uint8_t> Controller::EncodeHeader(uint32_t flags) const {
+  std::vector<uint8_t> buf(HeaderBytes(), 0);
+  std::memcpy(buf.data(), &flags, sizeof(flags));
+  std::vector<uint64_t> hits(words_, 0);
+  for (const auto& kv : pending_hits_) SetBit(&hits, kv.first);
+  std::memcpy(buf.data() + 8, hits.data(), 8 * words_);
+  std::memcpy(buf.data() + 8 + 8 * words_, my_invalid_.data(), 8 * words_);
+  return buf;
+}
+
+Controller::Header Controller::DecodeHeader(const uint8_t* p) const {
+  Header h;
+  std::memcpy(&h.flags, p, sizeof(h.flags));
+  h.hits.resize(words_);
+  h.invalid.resize(words_);
+  std::memcpy(h.hits.data(), p + 8, 8 * words_);
+  std::memcpy(h.invalid.data(), p + 8 + 8 * words_, 8 * words_);
+  return h;
+}
+
+void Controller::Requeue(uint32_t pos) {
+  auto it = pending_hits_.find(pos);
+  if (it == pending_hits_.end()) return;
+  unsent_.push_back(it->second);
+  pending_hits_.erase(it);
+}
+
+void Controller::Invalidate(const std::vector<uint64_t>& invalid_any) {
+  ForEachBit(invalid_any, [&](uint32_t pos) {
+    cache_.Erase(pos);
+    Requeue(pos);
+  });
+}
+
+void Controller::CollectReady(const std::vector<Header>& all, const std::vector<uint64_t>& invalid_any,
+                              CycleResult* out) {
+  std::vector<uint64_t> ready(words_, ~uint64_t{0});
+  for (const auto& h : all)
+    for (size_t w = 0; w < words_; ++w) ready[w] &= h.hits[w];
+  for (size_t w = 0; w < words_; ++w) ready[w] &= ~invalid_any[w];
+  ForEachBit(ready, [&](uint32_t pos) {
+    out->responses.push_back(cache_.Get(pos));
+    cache_.Touch(pos);
+    pending_hits_.erase(pos);
+  });
+}
+
+void Controller::InspectStalls(const std::vector<Header>& all, const std::vector<uint64_t>& invalid_any) {
+  std::vector<WaitingTensor> waiting;
+  coordinator_.AppendWaiting(&waiting);
+  std::vector<uint64_t> some(words_, 0), every(words_, ~uint64_t{0});
+  for (const auto& h : all) {
+    for (size_t w = 0; w < words_; ++w) {
+      some[w] |= h.hits[w];
+      every[w] &= h.hits[w];
+    }
+  }
+  for (size_t w = 0; w < words_; ++w) some[w] &= ~every[w] & ~invalid_any[w];
+  ForEachBit(some, [&](uint32_t pos) {
+    if (!cache_.Holds(pos)) return;
+    WaitingTensor wt{cache_.Get(pos).name, {}};
+    for (size_t r = 0; r < all.size(); ++r)
+      if (TestBit(all[r].hits, pos)) wt.present_ranks.push_back(static_cast<int>(r));
+    waiting.push_back(std::move(wt));
+  });
+  size_t before = stall_errors_.size();
+  stalls_.Inspect(waiting, Clock::now(), &stall_errors_);
+  for (size_t i = before; i < stall_errors_.size(); ++i) coordinator_.Drop(stall_errors_[i].name);
+}
+
+Status Controller::SlowPath(std::vector<Response>* out) {
+  ++slow_path_cycles_;
+  std::vector<uint8_t> payload;
+  SerializeRequests(unsent_, &payload);
+  unsent_.clear();
+  std::vector<std::vector<uint8_t>> gathered;
+  HVDZ_RETURN_IF_ERROR(cp_.Gatherv(payload, &gathered));
+  std::vector<uint8_t> reply;
+  if (cp_.rank() == 0) {
+    std::vector<Response> resps;
+    for (const auto& bytes : gathered) {
+      std::vector<Request> reqs;
+      if (!ParseRequests(bytes.data(), bytes.size(), &reqs))
+        return Status::Error("Corrupt request list received by the coordinator.");
+      coordinator_.Add(reqs, &resps);
+    }
+    resps.insert(resps.end(), stall_errors_.begin(), stall_errors_.end());
+    stall_errors_.clear();
+    SerializeResponses(resps, &reply);
+  }
+  HVDZ_RETURN_IF_ERROR(cp_.Broadcast(&reply));
+  if (!ParseResponses(reply.data(), reply.size(), out))
+    return Status::Error("Corrupt response list received from the coordinator.");
+  return Status::OK();
+}
+
+void Controller::Admit(const std::vector<Response>& fresh) {
+  for (const auto& resp : fresh) {
+    if (resp.ok()) {
+      std::vector<uint32_t> evicted;
+      cache_.Put(resp, &evicted);
+      for (auto pos : evicted) Requeue(pos);
+      continue;
+    }
+    // An error (mismatch or stall) ends this tensor wherever it waits.
+    for (auto it = pending_hits_.begin(); it != pending_hits_.end();) {
+      it = it->second.name == resp.name ? pending_hits_.erase(it) : std::next(it);
+    }
+  }
+}
+
+Status Controller::RunCycle(const std::vector<Request>& new_requests, bool want_shutdown,
+                            CycleResult* out) {
+  my_invalid_.assign(words_, 0);
+  for (const auto& r : new_requests) Classify(r);
+
+  uint32_t flags = want_shutdown ? kShutdown : 0;
+  if (!unsent_.empty()) flags |= kHasUncached;
+  if (cp_.rank() == 0 && !stall_errors_.empty()) flags |= kCoordinatorNews;
+  std::vector<uint8_t> all_bytes;
+  HVDZ_RETURN_IF_ERROR(cp_.Allgather(EncodeHeader(flags), &all_bytes));
+
+  std::vector<Header> all;
+  uint32_t any_flags = 0;
+  std::vector<uint64_t> invalid_any(words_, 0);
+  for (int r = 0; r < cp_.size(); ++r) {
+    all.push_back(DecodeHeader(all_bytes.data() + r * HeaderBytes()));
+    any_flags |= all.back().flags;
+    for (size_t w = 0; w < words_; ++w) invalid_any[w] |= all.back().invalid[w];
+  }
+  out->shutdown = (any_flags & kShutdown) != 0;
+
+  Invalidate(invalid_any);
+  CollectReady(all, invalid_any, out);
+  if (cp_.rank() == 0) InspectStalls(all, invalid_any);
+
+  if (any_flags & (kHasUncached | kCoordinatorNews)) {
+    out->slow_path = true;
+    std::vector<Response> fresh;
+    HVDZ_RETURN_IF_ERROR(SlowPath(&fresh));
+    Admit(fresh);
+    out->responses.insert(out->responses.end(), fresh.begin(), fresh.end());
+  }
+  return Status::OK();
+}
+
+}  // namespace hvdz

@@ -1,0 +1,77 @@
+// One negotiation cycle: turns the requests this rank has submitted into the list
+// of responses that every rank executes, identical and in the same order.
+//
+// [Note: the two paths]
+// Fast path: each rank sets one bit per cached response it has a request for; the
+// bit vectors are allgathered, and the positions set on every rank are ready.
+// Slow path (taken only in a cycle where some rank has an uncached request, or
+// rank 0 has stall errors to announce): request lists are gathered to rank 0, whose
+// Coordinator checks that ranks agree and broadcasts the responses. New responses
+// enter every rank's cache in that broadcast order, which keeps caches identical.
+// A rank whose request does not match the cached response of the same name sets an
+// "invalid" bit instead; every rank then evicts that entry and re-sends any request
+// it had waiting on it through the slow path.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <vector>
+
+#include "common/logging.h"
+#include "common/message.h"
+#include "common/params.h"
+#include "negotiation/control_plane.h"
+#include "negotiation/coordinator.h"
+#include "negotiation/response_cache.h"
+#include "negotiation/stall_inspector.h"
+
+namespace hvdz {
+
+struct CycleResult {
+  std::vector<Response> responses;
+  bool shutdown = false;
+  bool slow_path = false;
+};
+
+class Controller {
+ public:
+  Controller(ControlPlane& cp, const Params& params, const Logger& log);
+  Status RunCycle(const std::vector<Request>& new_requests, bool want_shutdown, CycleResult* out);
+
+  const ResponseCache& cache() const { return cache_; }
+  uint64_t slow_path_cycles() const { return slow_path_cycles_; }
+
+ private:
+  enum Flag : uint32_t { kShutdown = 1, kHasUncached = 2, kCoordinatorNews = 4 };
+  struct Header {
+    uint32_t flags = 0;
+    std::vector<uint64_t> hits;
+    std::vector<uint64_t> invalid;
+  };
+
+  void Classify(const Request& r);
+  std::vector<uint8_t> EncodeHeader(uint32_t flags) const;
+  Header DecodeHeader(const uint8_t* p) const;
+  size_t HeaderBytes() const { return 8 + 16 * words_; }
+  void Invalidate(const std::vector<uint64_t>& invalid_any);
+  void CollectReady(const std::vector<Header>& all, const std::vector<uint64_t>& invalid_any,
+                    CycleResult* out);
+  void InspectStalls(const std::vector<Header>& all, const std::vector<uint64_t>& invalid_any);
+  Status SlowPath(std::vector<Response>* out);
+  void Admit(const std::vector<Response>& fresh);
+  void Requeue(uint32_t pos);
+
+  ControlPlane& cp_;
+  const Logger& log_;
+  ResponseCache cache_;
+  Coordinator coordinator_;
+  StallInspector stalls_;
+  size_t words_;
+  std::vector<Request> unsent_;
+  std::map<uint32_t, Request> pending_hits_;  // position -> request waiting on other ranks
+  std::vector<uint64_t> my_invalid_;
+  std::vector<Response> stall_errors_;  // rank 0: announced in the next slow path
+  uint64_t slow_path_cycles_ = 0;
+};
+
+}  // namespace hvdz

@@ -1,0 +1,36 @@
+// Rank 0's table of tensors that not every rank has submitted yet (the slow path).
+#pragma once
+
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "common/message.h"
+
+namespace hvdz {
+
+struct WaitingTensor {
+  std::string name;
+  std::vector<int> present_ranks;
+};
+
+class Coordinator {
+ public:
+  explicit Coordinator(int size) : size_(size) {}
+  // Records requests; appends the responses of tensors that every rank has now
+  // submitted, in the order they became complete.
+  void Add(const std::vector<Request>& reqs, std::vector<Response>* ready);
+  void AppendWaiting(std::vector<WaitingTensor>* out) const;
+  void Drop(const std::string& name) { table_.erase(name); }
+
+ private:
+  struct Pending {
+    std::vector<Request> by_rank;
+    std::vector<bool> have;
+    int count = 0;
+  };
+  int size_;
+  std::unordered_map<std::string, Pending> table_;
+};
+
+}  // namespace hvdz

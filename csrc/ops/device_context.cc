@@ -1,0 +1,27 @@
+#include "ops/device_context.h"
+
+#include "fusion/cpu_cast.h"
+
+namespace hvdz {
+
+Status CpuContext::Copy(const std::vector<CopyDesc>& descs, DataType src, DataType dst, double scale) {
+  CpuBatchedCopy(descs, src, dst, scale);
+  return Status::OK();
+}
+
+Status CpuContext::FusionBuffer(size_t bytes, void** ptr) {
+  if (buffer_.data == nullptr || buffer_.bytes() < bytes) {
+    buffer_holder_.reset();
+    HVDZ_RETURN_IF_ERROR(alloc_.Allocate(kCpuDevice, DataType::kUInt8, {static_cast<int64_t>(bytes)},
+                                         &buffer_, &buffer_holder_));
+  }
+  *ptr = buffer_.data;
+  return Status::OK();
+}
+
+void CpuContext::Finish(std::vector<TensorEntry> entries, const Status& s) {
+  for (auto& e : entries)
+    if (e.callback) e.callback(s);
+}
+
+}  // namespace hvdz

@@ -1,0 +1,45 @@
+// What the executor needs from one device: its communicator, batched copies,
+// a persistent fusion buffer, and a way to hand finished tensors back.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "fusion/copy_desc.h"
+#include "runtime/tensor_entry.h"
+#include "transport/communicator.h"
+
+namespace hvdz {
+
+class DeviceContext {
+ public:
+  virtual ~DeviceContext() = default;
+  virtual Communicator& comm() = 0;
+  // Orders later work after the producers of these inputs (CUDA: stream waits on
+  // their ready events). CPU inputs are ready when enqueued.
+  virtual Status WaitForInputs(const std::vector<TensorEntry>& entries) = 0;
+  virtual Status Copy(const std::vector<CopyDesc>& descs, DataType src, DataType dst, double scale) = 0;
+  // At least `bytes` of scratch that lives across cycles; later calls may move it.
+  virtual Status FusionBuffer(size_t bytes, void** ptr) = 0;
+  // Reports `s` to every entry once the work queued for them has finished.
+  virtual void Finish(std::vector<TensorEntry> entries, const Status& s) = 0;
+};
+
+// CPU tensors: Gloo for the collective, plain loops for copies, done when returned.
+class CpuContext : public DeviceContext {
+ public:
+  CpuContext(Communicator& comm, Allocator& alloc) : comm_(comm), alloc_(alloc) {}
+  Communicator& comm() override { return comm_; }
+  Status WaitForInputs(const std::vector<TensorEntry>&) override { return Status::OK(); }
+  Status Copy(const std::vector<CopyDesc>& descs, DataType src, DataType dst, double scale) override;
+  Status FusionBuffer(size_t bytes, void** ptr) override;
+  void Finish(std::vector<TensorEntry> entries, const Status& s) override;
+
+ private:
+  Communicator& comm_;
+  Allocator& alloc_;
+  TensorDesc buffer_;
+  std::shared_ptr<void> buffer_holder_;
+};
+
+}  // namespace hvdz

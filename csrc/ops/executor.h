@@ -1,0 +1,45 @@
+// Runs one fused group: allocate outputs, copy in (cast and prescale fused), one
+// collective, copy out (postscale fused), then hand the entries back.
+#pragma once
+
+#include <vector>
+
+#include "common/timeline.h"
+#include "fusion/fusion_plan.h"
+#include "ops/counters.h"
+#include "ops/device_context.h"
+
+namespace hvdz {
+
+class Executor {
+ public:
+  Executor(int rank, int size, Timeline& timeline, Counters& counters)
+      : rank_(rank), size_(size), timeline_(timeline), counters_(counters) {}
+
+  // `entries[i]` belongs to `group[i]`.
+  void Execute(DeviceContext& ctx, const std::vector<const Response*>& group,
+               std::vector<TensorEntry> entries);
+
+ private:
+  struct Plan {
+    const std::vector<const Response*>& group;
+    std::vector<TensorEntry>& entries;
+    ReduceOp op;  // Sum, Min or Max
+    double postscale;
+  };
+  Status Run(DeviceContext& ctx, Plan& p);
+  Status Allreduce(DeviceContext& ctx, Plan& p);
+  Status Allgather(DeviceContext& ctx, Plan& p);
+  Status Reducescatter(DeviceContext& ctx, Plan& p);
+  Status Broadcast(DeviceContext& ctx, Plan& p);
+  Status AllocateOutputs(Plan& p);
+  void Mark(Plan& p, const char* phase, Clock::time_point start);
+  void Count(const Plan& p, int64_t elems);
+
+  int rank_;
+  int size_;
+  Timeline& timeline_;
+  Counters& counters_;
+};
+
+}  // namespace hvdz

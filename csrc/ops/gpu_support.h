@@ -1,0 +1,29 @@
+// The CUDA side of the runtime, behind an interface so that plain C++ files never
+// see CUDA headers. CMake compiles gpu_support_cuda.cc or gpu_support_none.cc.
+#pragma once
+
+#include <memory>
+
+#include "common/logging.h"
+#include "common/params.h"
+#include "negotiation/control_plane.h"
+#include "ops/device_context.h"
+
+namespace hvdz {
+
+class GpuSupport {
+ public:
+  virtual ~GpuSupport() = default;
+  // Framework thread: an event recorded now on `stream`, which the collective
+  // waits on, so it reads the input only after its producer wrote it.
+  virtual Status RecordReadyEvent(int device, void* stream, std::shared_ptr<void>* event) = 0;
+  // Background thread: the context of `device`, creating its NCCL communicator.
+  // Every rank reaches this for the same response, so the collective init lines up.
+  virtual Status CreateContext(int device, ControlPlane& cp, Allocator& alloc,
+                               std::unique_ptr<DeviceContext>* out) = 0;
+};
+
+// nullptr when built without CUDA.
+std::unique_ptr<GpuSupport> MakeGpuSupport(const Params& params, const Logger& log);
+
+}  // namespace hvdz

@@ -1,0 +1,52 @@
+#include "runtime/handle_table.h"
+
+#include <string>
+
+namespace hvdz {
+namespace {
+Status Unknown(int64_t h) {
+  return Status::InvalidArgument("Unknown handle " + std::to_string(h) +
+                                 ": it was never returned by an async op, or was already synchronized.");
+}
+}  // namespace
+
+int64_t HandleTable::Allocate() {
+  std::lock_guard<std::mutex> lk(mu_);
+  int64_t h = next_++;
+  states_.emplace(h, State{});
+  return h;
+}
+
+void HandleTable::MarkDone(int64_t handle, const Status& s) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = states_.find(handle);
+    if (it == states_.end()) return;
+    it->second.done = true;
+    it->second.status = s;
+  }
+  cv_.notify_all();
+}
+
+Status HandleTable::Poll(int64_t handle, bool* done) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = states_.find(handle);
+  if (it == states_.end()) return Unknown(handle);
+  *done = it->second.done;
+  return Status::OK();
+}
+
+Status HandleTable::Wait(int64_t handle) {
+  std::unique_lock<std::mutex> lk(mu_);
+  auto it = states_.find(handle);
+  if (it == states_.end()) return Unknown(handle);
+  cv_.wait(lk, [&] { return states_.at(handle).done; });
+  return states_.at(handle).status;
+}
+
+void HandleTable::Release(int64_t handle) {
+  std::lock_guard<std::mutex> lk(mu_);
+  states_.erase(handle);
+}
+
+}  // namespace hvdz

@@ -1,0 +1,35 @@
+// Handles returned to the framework: an id per submitted tensor, done once its
+// callback reports a status.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <unordered_map>
+
+#include "common/status.h"
+
+namespace hvdz {
+
+class HandleTable {
+ public:
+  int64_t Allocate();
+  void MarkDone(int64_t handle, const Status& s);
+  // Returns InvalidArgument for an unknown (or already released) handle.
+  Status Poll(int64_t handle, bool* done);
+  // Blocks until done; the handle stays valid until Release.
+  Status Wait(int64_t handle);
+  void Release(int64_t handle);
+
+ private:
+  struct State {
+    bool done = false;
+    Status status;
+  };
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int64_t next_ = 1;
+  std::unordered_map<int64_t, State> states_;
+};
+
+}  // namespace hvdz

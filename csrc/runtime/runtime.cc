@@ -1,0 +1,160 @@
+#include "runtime/runtime.h"
+
+#include <chrono>
+
+#include "fusion/fusion_plan.h"
+
+namespace hvdz {
+
+Runtime::Runtime(const WorldInfo& world, const Params& params, std::unique_ptr<ControlPlane> control,
+                 std::unique_ptr<Communicator> cpu_comm, std::unique_ptr<Allocator> alloc)
+    : world_(world),
+      params_(params),
+      logger_(params.log_level, world.rank),
+      control_(std::move(control)),
+      cpu_comm_(std::move(cpu_comm)),
+      alloc_(std::move(alloc)),
+      gpu_(MakeGpuSupport(params_, logger_)),
+      controller_(*control_, params_, logger_),
+      executor_(world.rank, world.size, timeline_, counters_),
+      cpu_ctx_(*cpu_comm_, *alloc_) {}
+
+Runtime::~Runtime() { Shutdown(); }
+
+Status Runtime::Start() {
+  // Like Horovod, rank 0 writes the timeline: one file, the coordinator's view.
+  if (world_.rank == 0 && !timeline_.Open(params_.timeline_path, world_.rank))
+    return Status::InvalidArgument("Cannot open HOROVOD_TIMELINE file '" + params_.timeline_path + "'.");
+  thread_ = std::thread([this] { Loop(); });
+  return Status::OK();
+}
+
+void Runtime::Shutdown() {
+  shutdown_requested_ = true;
+  if (thread_.joinable()) thread_.join();
+  cuda_ctx_.clear();  // drains in-flight CUDA work before the communicators go
+  timeline_.Close();
+}
+
+Status Runtime::CheckDevice(const TensorEntry& e) {
+  if (!e.request.on_cuda()) return Status::OK();
+  if (!gpu_) {
+    return Status::InvalidArgument("Tensor '" + e.request.name +
+                                   "' is on CUDA, but horovod_zero was built without CUDA. Rebuild "
+                                   "on a machine with the CUDA toolkit, or move the tensor to the CPU.");
+  }
+  int expected = -2;
+  if (!cuda_device_.compare_exchange_strong(expected, e.request.device) && expected != e.request.device) {
+    return Status::InvalidArgument("Tensor '" + e.request.name + "' is on cuda:" +
+                                   std::to_string(e.request.device) + ", but this process already uses cuda:" +
+                                   std::to_string(expected) + ". Use one CUDA device per process (hvd.device()).");
+  }
+  return Status::OK();
+}
+
+Status Runtime::Enqueue(std::vector<TensorEntry> entries, void* cuda_stream, std::vector<int64_t>* handles) {
+  auto now = Clock::now();
+  std::shared_ptr<void> ready;
+  for (auto& e : entries) {
+    HVDZ_RETURN_IF_ERROR(CheckDevice(e));
+    if (e.request.on_cuda() && !ready) HVDZ_RETURN_IF_ERROR(gpu_->RecordReadyEvent(e.request.device, cuda_stream, &ready));
+  }
+  std::vector<int64_t> hs;
+  for (auto& e : entries) {
+    int64_t h = handles_.Allocate();
+    hs.push_back(h);
+    e.request.rank = world_.rank;
+    e.enqueued = now;
+    if (e.request.on_cuda()) e.ready_event = ready;
+    auto user_cb = std::move(e.callback);
+    e.callback = [this, h, user_cb](const Status& s) {
+      if (user_cb) user_cb(s);
+      handles_.MarkDone(h, s);
+    };
+  }
+  Status s = queue_.Add(std::move(entries));
+  if (!s.ok()) {
+    for (auto h : hs) handles_.Release(h);
+    return s;
+  }
+  *handles = std::move(hs);
+  return Status::OK();
+}
+
+Status Runtime::ContextFor(const TensorEntry& e, DeviceContext** ctx) {
+  if (!e.request.on_cuda()) {
+    *ctx = &cpu_ctx_;
+    return Status::OK();
+  }
+  auto it = cuda_ctx_.find(e.request.device);
+  if (it == cuda_ctx_.end()) {
+    std::unique_ptr<DeviceContext> c;
+    HVDZ_RETURN_IF_ERROR(gpu_->CreateContext(e.request.device, *control_, *alloc_, &c));
+    it = cuda_ctx_.emplace(e.request.device, std::move(c)).first;
+  }
+  *ctx = it->second.get();
+  return Status::OK();
+}
+
+void Runtime::ExecuteGroup(const std::vector<const Response*>& group) {
+  std::vector<TensorEntry> entries;
+  std::vector<const Response*> mine;
+  auto now = Clock::now();
+  for (const Response* r : group) {
+    TensorEntry e;
+    if (!queue_.Take(r->name, &e)) {
+      HVDZ_LOG(logger_, kError) << "Response for '" << r->name << "', which this rank never submitted.";
+      continue;
+    }
+    if (timeline_.enabled()) timeline_.Span(r->name, "NEGOTIATE", e.enqueued, now);
+    entries.push_back(std::move(e));
+    mine.push_back(r);
+  }
+  if (entries.empty()) return;
+  DeviceContext* ctx = nullptr;
+  Status s = ContextFor(entries.front(), &ctx);
+  if (!s.ok()) {
+    for (auto& e : entries) e.callback(s);
+    return;
+  }
+  executor_.Execute(*ctx, mine, std::move(entries));
+}
+
+void Runtime::Execute(const std::vector<Response>& responses) {
+  for (const auto& r : responses) {
+    if (r.ok()) continue;
+    TensorEntry e;
+    if (queue_.Take(r.name, &e)) e.callback(Status::PreconditionError(r.error));
+  }
+  for (const auto& idx : PlanFusion(responses, world_.size, params_.fusion_threshold_bytes)) {
+    std::vector<const Response*> group;
+    for (auto i : idx) group.push_back(&responses[i]);
+    ExecuteGroup(group);
+  }
+}
+
+void Runtime::Loop() {
+  const auto period = std::chrono::duration<double, std::milli>(params_.cycle_time_ms);
+  Status stopped = Status::Aborted(
+      "horovod_zero has been shut down: call hvd.init() again before submitting more collectives.");
+  while (true) {
+    auto start = Clock::now();
+    CycleResult result;
+    Status s = controller_.RunCycle(queue_.PopNewRequests(), shutdown_requested_.load(), &result);
+    if (!s.ok()) {
+      HVDZ_LOG(logger_, kError) << "Negotiation failed: " << s.reason();
+      stopped = Status::Aborted("horovod_zero stopped after a communication failure (a peer may have "
+                                "died or timed out after HOROVOD_GLOO_TIMEOUT_SECONDS=" +
+                                std::to_string(static_cast<int>(params_.transport_timeout_seconds)) +
+                                "): " + s.reason());
+      break;
+    }
+    Execute(result.responses);
+    if (result.shutdown) break;
+    auto next = start + std::chrono::duration_cast<Clock::duration>(period);
+    std::this_thread::sleep_until(next);
+  }
+  queue_.Close(stopped);
+}
+
+}  // namespace hvdz

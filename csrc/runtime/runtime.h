@@ -1,0 +1,85 @@
+// The Runtime owns every part of the core (queue, handles, controller, executor,
+// device contexts, timeline, counters) and the background thread that alone
+// talks to other ranks. Framework threads only enqueue and wait.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <thread>
+#include <unordered_map>
+
+#include "common/logging.h"
+#include "common/params.h"
+#include "common/timeline.h"
+#include "negotiation/control_plane.h"
+#include "negotiation/controller.h"
+#include "ops/counters.h"
+#include "ops/device_context.h"
+#include "ops/executor.h"
+#include "ops/gpu_support.h"
+#include "runtime/handle_table.h"
+#include "runtime/tensor_queue.h"
+#include "transport/communicator.h"
+
+namespace hvdz {
+
+struct WorldInfo {
+  int rank = 0;
+  int size = 1;
+  int local_rank = 0;
+  int local_size = 1;
+  int cross_rank = 0;
+  int cross_size = 1;
+};
+
+class Runtime {
+ public:
+  Runtime(const WorldInfo& world, const Params& params, std::unique_ptr<ControlPlane> control,
+          std::unique_ptr<Communicator> cpu_comm, std::unique_ptr<Allocator> alloc);
+  ~Runtime();
+  Runtime(const Runtime&) = delete;
+  Runtime& operator=(const Runtime&) = delete;
+
+  Status Start();
+  // All entries or none are accepted; *handles gets one handle per entry.
+  // `cuda_stream` is the producer stream of CUDA inputs (ignored for CPU ones).
+  Status Enqueue(std::vector<TensorEntry> entries, void* cuda_stream, std::vector<int64_t>* handles);
+  HandleTable& handles() { return handles_; }
+  // Asks every rank to stop and waits for the background thread.
+  void Shutdown();
+
+  const WorldInfo& world() const { return world_; }
+  const Params& params() const { return params_; }
+  const Logger& logger() const { return logger_; }
+  Counters& counters() { return counters_; }
+  bool has_cuda() const { return gpu_ != nullptr; }
+  uint64_t slow_path_cycles() const { return controller_.slow_path_cycles(); }
+
+ private:
+  void Loop();
+  void Execute(const std::vector<Response>& responses);
+  void ExecuteGroup(const std::vector<const Response*>& group);
+  Status ContextFor(const TensorEntry& e, DeviceContext** ctx);
+  Status CheckDevice(const TensorEntry& e);
+
+  WorldInfo world_;
+  Params params_;
+  Logger logger_;
+  Timeline timeline_;
+  Counters counters_;
+  std::unique_ptr<ControlPlane> control_;
+  std::unique_ptr<Communicator> cpu_comm_;
+  std::unique_ptr<Allocator> alloc_;
+  std::unique_ptr<GpuSupport> gpu_;
+  TensorQueue queue_;
+  HandleTable handles_;
+  Controller controller_;
+  Executor executor_;
+  CpuContext cpu_ctx_;
+  std::unordered_map<int, std::unique_ptr<DeviceContext>> cuda_ctx_;
+  std::atomic<int> cuda_device_{-2};  // the one CUDA device this process uses; -2: none yet
+  std::atomic<bool> shutdown_requested_{false};
+  std::thread thread_;
+};
+
+}  // namespace hvdz

@@ -1,0 +1,39 @@
+// One submitted tensor, from enqueue until its callback fires.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "common/message.h"
+#include "common/status.h"
+#include "common/timeline.h"
+#include "common/types.h"
+
+namespace hvdz {
+
+// Allocates the output once its shape is known (allgather: after negotiation).
+using OutputAllocator = std::function<Status(const std::vector<int64_t>& shape, TensorDesc* out)>;
+using DoneCallback = std::function<void(const Status&)>;
+
+struct TensorEntry {
+  Request request;
+  TensorDesc input;
+  TensorDesc output;                // set by the caller, or by allocate_output
+  OutputAllocator allocate_output;  // set when the caller passed no output
+  std::shared_ptr<void> ready_event;  // CUDA: recorded on the producer's stream at enqueue
+  std::shared_ptr<void> keepalive;    // framework objects that must outlive the collective
+  DoneCallback callback;
+  Clock::time_point enqueued;
+};
+
+// Memory for outputs and fusion buffers, provided by the framework adapter so that
+// device memory is accounted where the user looks for it.
+class Allocator {
+ public:
+  virtual ~Allocator() = default;
+  virtual Status Allocate(int device, DataType dtype, const std::vector<int64_t>& shape,
+                          TensorDesc* out, std::shared_ptr<void>* holder) = 0;
+};
+
+}  // namespace hvdz

@@ -1,0 +1,63 @@
+#include "runtime/tensor_queue.h"
+
+#include <unordered_set>
+
+namespace hvdz {
+
+Status TensorQueue::Add(std::vector<TensorEntry> entries) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!closed_.ok()) return closed_;
+  std::unordered_set<std::string> seen;
+  for (const auto& e : entries) {
+    const auto& name = e.request.name;
+    if (table_.count(name) || !seen.insert(name).second) {
+      return Status::InvalidArgument(
+          "A tensor named '" + name + "' is already in flight on this rank. Wait for its handle "
+          "(synchronize) before submitting the same name again, or give each tensor its own name.");
+    }
+  }
+  for (auto& e : entries) {
+    new_requests_.push_back(e.request);
+    std::string name = e.request.name;
+    table_.emplace(std::move(name), std::move(e));
+  }
+  return Status::OK();
+}
+
+std::vector<Request> TensorQueue::PopNewRequests() {
+  std::lock_guard<std::mutex> lk(mu_);
+  std::vector<Request> out;
+  out.swap(new_requests_);
+  return out;
+}
+
+bool TensorQueue::Take(const std::string& name, TensorEntry* out) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = table_.find(name);
+  if (it == table_.end()) return false;
+  *out = std::move(it->second);
+  table_.erase(it);
+  return true;
+}
+
+Clock::time_point TensorQueue::EnqueueTime(const std::string& name) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = table_.find(name);
+  return it == table_.end() ? Clock::now() : it->second.enqueued;
+}
+
+void TensorQueue::Close(const Status& s) {
+  std::unordered_map<std::string, TensorEntry> failed;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (closed_.ok()) closed_ = s;
+    failed.swap(table_);
+    new_requests_.clear();
+  }
+  // Callbacks run outside the lock: they may take other locks.
+  for (auto& kv : failed) {
+    if (kv.second.callback) kv.second.callback(s);
+  }
+}
+
+}  // namespace hvdz

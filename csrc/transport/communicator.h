@@ -1,0 +1,25 @@
+// The data plane: one collective over one contiguous buffer. Gloo runs it to
+// completion on the calling thread; NCCL enqueues it on the context's stream.
+#pragma once
+
+#include <cstdint>
+
+#include "common/status.h"
+#include "common/types.h"
+
+namespace hvdz {
+
+// Only Sum, Min and Max reach a communicator: Average is Sum with a postscale.
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual Status Allreduce(void* buf, int64_t count, DataType dtype, ReduceOp op) = 0;
+  // `out` receives size * count elements, rank-major; `in` may alias out + rank * count.
+  virtual Status Allgather(const void* in, void* out, int64_t count, DataType dtype) = 0;
+  // `in` holds size * count elements; `out` gets this rank's reduced count elements.
+  virtual Status ReduceScatter(const void* in, void* out, int64_t count, DataType dtype,
+                               ReduceOp op) = 0;
+  virtual Status Broadcast(void* buf, int64_t count, DataType dtype, int root) = 0;
+};
+
+}  // namespace hvdz

@@ -1,0 +1,168 @@
+#include "transport/gloo/gloo_transport.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace hvdz {
+namespace {
+
+at::ScalarType ToScalar(DataType t) {
+  switch (t) {
+    case DataType::kUInt8: return at::kByte;
+    case DataType::kInt8: return at::kChar;
+    case DataType::kInt32: return at::kInt;
+    case DataType::kInt64: return at::kLong;
+    case DataType::kFloat16: return at::kHalf;
+    case DataType::kBFloat16: return at::kBFloat16;
+    case DataType::kFloat32: return at::kFloat;
+    case DataType::kFloat64: return at::kDouble;
+  }
+  return at::kFloat;
+}
+
+c10d::ReduceOp ToC10d(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kMin: return c10d::ReduceOp(c10d::ReduceOp::MIN);
+    case ReduceOp::kMax: return c10d::ReduceOp(c10d::ReduceOp::MAX);
+    default: return c10d::ReduceOp(c10d::ReduceOp::SUM);
+  }
+}
+
+at::Tensor Wrap(const void* p, int64_t count, DataType t) {
+  return at::from_blob(const_cast<void*>(p), {count}, at::TensorOptions().dtype(ToScalar(t)));
+}
+
+// Runs one Gloo call to completion; Gloo's exceptions (timeouts, closed
+// connections) become a Status here and never reach the background loop.
+template <typename F>
+Status Run(const char* what, std::chrono::milliseconds timeout, F issue) {
+  try {
+    c10::intrusive_ptr<c10d::Work> w = issue();
+    w->wait(timeout);
+    return Status::OK();
+  } catch (const std::exception& e) {
+    return Status::Aborted(std::string("Gloo ") + what + " failed: " + e.what());
+  }
+}
+
+class Base {
+ public:
+  Base(GlooBackend b, double timeout_s)
+      : b_(std::move(b)), timeout_(static_cast<int64_t>(timeout_s * 1000)) {}
+
+ protected:
+  GlooBackend b_;
+  std::chrono::milliseconds timeout_;
+};
+
+class GlooControlPlane : public ControlPlane, Base {
+ public:
+  using Base::Base;
+  int rank() const override { return b_->getRank(); }
+  int size() const override { return b_->getSize(); }
+
+  Status Allgather(const std::vector<uint8_t>& mine, std::vector<uint8_t>* all) override {
+    all->assign(mine.size() * size(), 0);
+    if (mine.empty()) return Status::OK();
+    at::Tensor in = Wrap(mine.data(), mine.size(), DataType::kUInt8);
+    at::Tensor out = Wrap(all->data(), all->size(), DataType::kUInt8);
+    c10d::AllgatherOptions o;
+    o.timeout = timeout_;
+    return Run("allgather (negotiation)", timeout_, [&] { return b_->_allgather_base(out, in, o); });
+  }
+
+  Status Gatherv(const std::vector<uint8_t>& mine, std::vector<std::vector<uint8_t>>* at_root) override {
+    // Lengths first, then every payload padded to the longest; small and rare (slow path only).
+    std::vector<uint8_t> len(8), lens;
+    int64_t n = static_cast<int64_t>(mine.size());
+    std::memcpy(len.data(), &n, 8);
+    HVDZ_RETURN_IF_ERROR(Allgather(len, &lens));
+    std::vector<int64_t> sizes(size());
+    std::memcpy(sizes.data(), lens.data(), 8 * size());
+    int64_t longest = *std::max_element(sizes.begin(), sizes.end());
+    std::vector<uint8_t> padded(mine), all;
+    padded.resize(longest, 0);
+    HVDZ_RETURN_IF_ERROR(Allgather(padded, &all));
+    if (rank() != 0) return Status::OK();
+    at_root->clear();
+    for (int r = 0; r < size(); ++r)
+      at_root->emplace_back(all.begin() + r * longest, all.begin() + r * longest + sizes[r]);
+    return Status::OK();
+  }
+
+  Status Broadcast(std::vector<uint8_t>* buf) override {
+    int64_t n = static_cast<int64_t>(buf->size());
+    at::Tensor len = Wrap(&n, 1, DataType::kInt64);
+    HVDZ_RETURN_IF_ERROR(BroadcastTensor(len));
+    buf->resize(n);
+    if (n == 0) return Status::OK();
+    at::Tensor t = Wrap(buf->data(), n, DataType::kUInt8);
+    return BroadcastTensor(t);
+  }
+
+ private:
+  Status BroadcastTensor(at::Tensor& t) {
+    std::vector<at::Tensor> ts{t};
+    c10d::BroadcastOptions o;
+    o.rootRank = 0;
+    o.timeout = timeout_;
+    return Run("broadcast (negotiation)", timeout_, [&] { return b_->broadcast(ts, o); });
+  }
+};
+
+class GlooCommunicator : public Communicator, Base {
+ public:
+  using Base::Base;
+
+  Status Allreduce(void* buf, int64_t count, DataType dtype, ReduceOp op) override {
+    std::vector<at::Tensor> ts{Wrap(buf, count, dtype)};
+    c10d::AllreduceOptions o;
+    o.reduceOp = ToC10d(op);
+    o.timeout = timeout_;
+    return Run("allreduce", timeout_, [&] { return b_->allreduce(ts, o); });
+  }
+
+  Status Allgather(const void* in, void* out, int64_t count, DataType dtype) override {
+    const int64_t bytes = count * static_cast<int64_t>(DataTypeSize(dtype));
+    at::Tensor src = Wrap(in, count, dtype);
+    // Gloo copies the input into its slot itself; give it a separate input when they alias.
+    if (static_cast<const char*>(in) >= static_cast<const char*>(out) &&
+        static_cast<const char*>(in) < static_cast<const char*>(out) + bytes * b_->getSize())
+      src = src.clone();
+    at::Tensor dst = Wrap(out, count * b_->getSize(), dtype);
+    c10d::AllgatherOptions o;
+    o.timeout = timeout_;
+    return Run("allgather", timeout_, [&] { return b_->_allgather_base(dst, src, o); });
+  }
+
+  Status ReduceScatter(const void* in, void* out, int64_t count, DataType dtype, ReduceOp op) override {
+    at::Tensor src = Wrap(in, count * b_->getSize(), dtype);
+    at::Tensor dst = Wrap(out, count, dtype);
+    c10d::ReduceScatterOptions o;
+    o.reduceOp = ToC10d(op);
+    o.timeout = timeout_;
+    return Run("reducescatter", timeout_, [&] { return b_->_reduce_scatter_base(dst, src, o); });
+  }
+
+  Status Broadcast(void* buf, int64_t count, DataType dtype, int root) override {
+    std::vector<at::Tensor> ts{Wrap(buf, count, dtype)};
+    c10d::BroadcastOptions o;
+    o.rootRank = root;
+    o.timeout = timeout_;
+    return Run("broadcast", timeout_, [&] { return b_->broadcast(ts, o); });
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<ControlPlane> MakeGlooControlPlane(GlooBackend backend, double timeout_s) {
+  return std::unique_ptr<ControlPlane>(new GlooControlPlane(std::move(backend), timeout_s));
+}
+
+std::unique_ptr<Communicator> MakeGlooCommunicator(GlooBackend backend, double timeout_s) {
+  return std::unique_ptr<Communicator>(new GlooCommunicator(std::move(backend), timeout_s));
+}
+
+}  // namespace hvdz

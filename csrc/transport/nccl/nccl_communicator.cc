@@ -1,0 +1,106 @@
+#include "transport/nccl/nccl_communicator.h"
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace hvdz {
+namespace {
+
+ncclDataType_t ToNccl(DataType t) {
+  switch (t) {
+    case DataType::kUInt8: return ncclUint8;
+    case DataType::kInt8: return ncclInt8;
+    case DataType::kInt32: return ncclInt32;
+    case DataType::kInt64: return ncclInt64;
+    case DataType::kFloat16: return ncclFloat16;
+    case DataType::kBFloat16: return ncclBfloat16;
+    case DataType::kFloat32: return ncclFloat32;
+    case DataType::kFloat64: return ncclFloat64;
+  }
+  return ncclFloat32;
+}
+
+ncclRedOp_t ToNccl(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kMin: return ncclMin;
+    case ReduceOp::kMax: return ncclMax;
+    default: return ncclSum;
+  }
+}
+
+}  // namespace
+
+Status CudaStatus(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return Status::OK();
+  return Status::Error(std::string(what) + " failed: " + cudaGetErrorString(e));
+}
+
+Status NcclStatus(ncclResult_t r, const char* what) {
+  if (r == ncclSuccess) return Status::OK();
+  return Status::Error(std::string(what) + " failed: " + ncclGetErrorString(r) +
+                       " (set NCCL_DEBUG=INFO for NCCL's own account)");
+}
+
+Status NcclCommunicator::Create(int device, ControlPlane& cp, std::unique_ptr<NcclCommunicator>* out) {
+  HVDZ_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device), "cudaSetDevice"));
+  ncclUniqueId id;
+  std::vector<uint8_t> bytes;
+  if (cp.rank() == 0) {
+    HVDZ_RETURN_IF_ERROR(NcclStatus(ncclGetUniqueId(&id), "ncclGetUniqueId"));
+    bytes.assign(reinterpret_cast<uint8_t*>(&id), reinterpret_cast<uint8_t*>(&id) + sizeof(id));
+  }
+  HVDZ_RETURN_IF_ERROR(cp.Broadcast(&bytes));
+  if (bytes.size() != sizeof(id)) return Status::Error("Corrupt NCCL unique id from rank 0.");
+  std::memcpy(&id, bytes.data(), sizeof(id));
+  ncclComm_t comm;
+  HVDZ_RETURN_IF_ERROR(NcclStatus(ncclCommInitRank(&comm, cp.size(), id, cp.rank()), "ncclCommInitRank"));
+  // High priority: collectives should not queue behind the compute they overlap.
+  int lo = 0, hi = 0;
+  cudaDeviceGetStreamPriorityRange(&lo, &hi);
+  cudaStream_t stream;
+  HVDZ_RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, hi),
+                                  "cudaStreamCreateWithPriority"));
+  out->reset(new NcclCommunicator(device, comm, stream));
+  return Status::OK();
+}
+
+NcclCommunicator::~NcclCommunicator() {
+  if (!aborted_) {
+    cudaStreamSynchronize(stream_);
+    ncclCommDestroy(comm_);
+  }
+  cudaStreamDestroy(stream_);
+}
+
+Status NcclCommunicator::AsyncError() {
+  ncclResult_t r = ncclSuccess;
+  ncclResult_t q = ncclCommGetAsyncError(comm_, &r);
+  if (q != ncclSuccess) return NcclStatus(q, "ncclCommGetAsyncError");
+  return NcclStatus(r, "NCCL (asynchronous error)");
+}
+
+void NcclCommunicator::Abort() {
+  if (aborted_) return;
+  aborted_ = true;
+  ncclCommAbort(comm_);
+}
+
+Status NcclCommunicator::Allreduce(void* buf, int64_t count, DataType dtype, ReduceOp op) {
+  return NcclStatus(ncclAllReduce(buf, buf, count, ToNccl(dtype), ToNccl(op), comm_, stream_), "ncclAllReduce");
+}
+
+Status NcclCommunicator::Allgather(const void* in, void* out, int64_t count, DataType dtype) {
+  return NcclStatus(ncclAllGather(in, out, count, ToNccl(dtype), comm_, stream_), "ncclAllGather");
+}
+
+Status NcclCommunicator::ReduceScatter(const void* in, void* out, int64_t count, DataType dtype, ReduceOp op) {
+  return NcclStatus(ncclReduceScatter(in, out, count, ToNccl(dtype), ToNccl(op), comm_, stream_),
+                    "ncclReduceScatter");
+}
+
+Status NcclCommunicator::Broadcast(void* buf, int64_t count, DataType dtype, int root) {
+  return NcclStatus(ncclBroadcast(buf, buf, count, ToNccl(dtype), root, comm_, stream_), "ncclBroadcast");
+}
+
+}  // namespace hvdz

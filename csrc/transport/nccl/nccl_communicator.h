@@ -1,0 +1,45 @@
+// A raw NCCL communicator with its own stream. The unique id travels over the
+// control plane (Gloo), so NCCL needs no store of its own.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <memory>
+
+#include "negotiation/control_plane.h"
+#include "transport/communicator.h"
+
+namespace hvdz {
+
+class NcclCommunicator : public Communicator {
+ public:
+  static Status Create(int device, ControlPlane& cp, std::unique_ptr<NcclCommunicator>* out);
+  ~NcclCommunicator() override;
+
+  cudaStream_t stream() const { return stream_; }
+  int device() const { return device_; }
+  // A failure NCCL found on its own (a peer's network error, ...).
+  Status AsyncError();
+  // Ends every pending NCCL call; the communicator is unusable afterwards.
+  void Abort();
+
+  Status Allreduce(void* buf, int64_t count, DataType dtype, ReduceOp op) override;
+  Status Allgather(const void* in, void* out, int64_t count, DataType dtype) override;
+  Status ReduceScatter(const void* in, void* out, int64_t count, DataType dtype, ReduceOp op) override;
+  Status Broadcast(void* buf, int64_t count, DataType dtype, int root) override;
+
+ private:
+  NcclCommunicator(int device, ncclComm_t comm, cudaStream_t stream)
+      : device_(device), comm_(comm), stream_(stream) {}
+  int device_;
+  ncclComm_t comm_;
+  cudaStream_t stream_;
+  bool aborted_ = false;
+};
+
+// Formats a CUDA or NCCL failure with the call that failed.
+Status CudaStatus(cudaError_t e, const char* what);
+Status NcclStatus(ncclResult_t r, const char* what);
+
+}  // namespace hvdz

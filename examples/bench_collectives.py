@@ -1,0 +1,129 @@
+"""Collective benchmark: horovod_zero's fused allgather / reducescatter against
+torch.distributed's all_gather_into_tensor / reduce_scatter_tensor (NCCL) on the
+same bytes, and 1,000 small async allreduces against 1,000 torch.distributed calls.
+
+    HOROVOD_FUSION_THRESHOLD=2147483648 torchrun --nproc_per_node=8 examples/bench_collectives.py
+
+Tensors follow a Llama-3.2-1B decoder layer (d=2048, 8 KV heads of 64, FFN 8192),
+sharded as ZeRO shards them: each rank contributes numel/size of every tensor.
+Bus bandwidth = bytes * (size - 1) / size / time, as nccl-tests reports it.
+"""
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import horovod_zero.torch as hvd
+
+LAYER = [2048 * 2048, 2048 * 512, 2048 * 512, 2048 * 2048, 2048 * 8192, 2048 * 8192, 8192 * 2048, 2048, 2048]
+
+
+def tensor_sizes(total_bytes, elem_bytes, size):
+    """Full-tensor numels in layer order until `total_bytes`, each divisible by size."""
+    out, acc, i = [], 0, 0
+    while acc < total_bytes:
+        n = LAYER[i % len(LAYER)]
+        n = min(n, (total_bytes - acc) // elem_bytes)
+        n -= n % size
+        if n <= 0:
+            break
+        out.append(n)
+        acc += n * elem_bytes
+        i += 1
+    return out
+
+
+def timed(fn, iters, warmup=3):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_bandwidth(total, dtype, iters):
+    n, r, dev = hvd.size(), hvd.rank(), hvd.device()
+    esz = torch.tensor([], dtype=dtype).element_size()
+    sizes = tensor_sizes(total, esz, n)
+    shards = [torch.randn(s // n, device=dev).to(dtype) for s in sizes]
+    fulls = [torch.randn(s, device=dev).to(dtype) for s in sizes]
+    nbytes = sum(sizes) * esz
+    flat_in = torch.empty(nbytes // esz // n, dtype=dtype, device=dev)
+    flat_out = torch.empty(nbytes // esz, dtype=dtype, device=dev)
+    rows = []
+    t_hvd = timed(lambda: hvd.grouped_allgather(shards, name="bw.ag"), iters)
+    t_torch = timed(lambda: dist.all_gather_into_tensor(flat_out, flat_in), iters)
+    rows.append(("allgather", len(sizes), nbytes, t_hvd, t_torch))
+    t_hvd = timed(lambda: hvd.grouped_reducescatter(fulls, op=hvd.Sum, name="bw.rs"), iters)
+    t_torch = timed(lambda: dist.reduce_scatter_tensor(flat_in, flat_out), iters)
+    rows.append(("reducescatter", len(sizes), nbytes, t_hvd, t_torch))
+    return rows
+
+
+def bench_small(count):
+    dev = hvd.device()
+    ts = [torch.randn(256, device=dev) for _ in range(count)]
+    for rep in range(3):  # warm the response cache and NCCL
+        hvd.synchronize([hvd.allreduce_async(t, op=hvd.Sum, name=f"small.{i}") for i, t in enumerate(ts)])
+    dist.barrier()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    hs = [hvd.allreduce_async(t, op=hvd.Sum, name=f"small.{i}") for i, t in enumerate(ts)]
+    t_enq = time.perf_counter() - t0
+    hvd.synchronize(hs)
+    torch.cuda.synchronize()
+    t_hvd = time.perf_counter() - t0
+    dist.barrier()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    works = [dist.all_reduce(t, async_op=True) for t in ts]
+    for w in works:
+        w.wait()
+    torch.cuda.synchronize()
+    t_torch = time.perf_counter() - t0
+    return t_hvd, t_enq / count, t_torch
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--totals", default="64MiB,1GiB")
+    ap.add_argument("--iters", type=int, default=10)
+    args = ap.parse_args()
+    hvd.init()
+    torch.cuda.set_device(hvd.device())
+    dist.init_process_group("nccl", device_id=hvd.device())
+    n = hvd.size()
+    units = {"MiB": 1 << 20, "GiB": 1 << 30}
+    out = []
+    for spec in args.totals.split(","):
+        total = int(spec[:-3]) * units[spec[-3:]]
+        for op, ntensors, nbytes, th, tt in bench_bandwidth(total, torch.bfloat16, args.iters):
+            bus = lambda t: nbytes * (n - 1) / n / t / 1e9
+            out.append(f"{op:14s} {spec:>6s} bf16 {ntensors:4d} tensors  horovod_zero {th*1e3:8.2f} ms "
+                       f"{bus(th):7.1f} GB/s | torch {tt*1e3:8.2f} ms {bus(tt):7.1f} GB/s | ratio {tt/th:5.2f}")
+    t_hvd, per_enq, t_torch = bench_small(1000)
+    out.append(f"1000 small async allreduces: horovod_zero {t_hvd*1e3:.2f} ms (host {per_enq*1e6:.2f} us per enqueue) "
+               f"| torch {t_torch*1e3:.2f} ms | speedup {t_torch/t_hvd:.1f}x")
+    stats = hvd.collective_stats()
+    if hvd.rank() == 0:
+        print(f"== bench_collectives: {n} ranks, {torch.cuda.get_device_name()}, "
+              f"HOROVOD_FUSION_THRESHOLD={os.environ.get('HOROVOD_FUSION_THRESHOLD', 'default')}")
+        for line in out:
+            print(line, flush=True)
+    dist.destroy_process_group()
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""Collectives with Horovod's names and semantics: async ops return handles,
+synchronize() returns the output or raises."""
+
+import itertools
+import threading
+from collections import defaultdict
+
+import torch
+
+from horovod_zero.torch.basics import _core, _runtime, size
+
+HorovodInternalError = _core.HorovodInternalError
+
+Sum = _core.SUM
+Average = _core.AVERAGE
+Min = _core.MIN
+Max = _core.MAX
+
+_counters = defaultdict(itertools.count)
+_counter_lock = threading.Lock()
+
+
+def _auto_name(kind):
+    # Every rank submits its unnamed ops in the same order, so the counters agree.
+    with _counter_lock:
+        return f"{kind}.noname.{next(_counters[kind])}"
+
+
+def _resolve_op(op, average):
+    if average is not None:
+        if op is not None:
+            raise ValueError("Pass either op= or the deprecated average=, not both.")
+        return Average if average else Sum
+    op = Average if op is None else op
+    if op not in (Sum, Average, Min, Max):
+        raise ValueError(f"op={op!r} is not one of hvd.Sum, hvd.Average, hvd.Min, hvd.Max.")
+    return op
+
+
+def _names(kind, name, n):
+    if name is None:
+        return [_auto_name(kind) for _ in range(n)]
+    if isinstance(name, str):
+        return [name] if n == 1 else [f"{name}.{i}" for i in range(n)]
+    names = list(name)
+    if len(names) != n:
+        raise ValueError(f"Got {len(names)} names for {n} tensors; pass one name per tensor.")
+    return names
+
+
+def _check_tensors(tensors, what):
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"{what} takes a list of tensors.")
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what} takes tensors; got {type(t).__name__}.")
+    return list(tensors)
+
+
+def _enqueue(op, inputs, outputs, names, reduce_op=Sum, prescale=1.0, postscale=1.0, root=0, output_dtype=None):
+    args = _core.OpArgs(op, reduce_op, float(prescale), float(postscale), int(root), output_dtype)
+    return _runtime().enqueue(args, inputs, outputs, names)
+
+
+def synchronize(handle):
+    """Waits for a handle (or a list of handles from a grouped op) and returns the
+    output (or the list of outputs); raises HorovodInternalError if the op failed."""
+    rt = _runtime()
+    if isinstance(handle, (list, tuple)):
+        return [rt.wait(h) for h in handle]
+    return rt.wait(handle)
+
+
+def poll(handle) -> bool:
+    """True when the op behind the handle (all ops, for a list) has finished."""
+    rt = _runtime()
+    if isinstance(handle, (list, tuple)):
+        return all(rt.poll(h) for h in handle)
+    return rt.poll(handle)
+
+
+# --- allreduce ---------------------------------------------------------------
+
+def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+    op = _resolve_op(op, average)
+    return _enqueue(_core.OP_ALLREDUCE, [tensor], [None], _names("allreduce", name, 1), op,
+                    prescale_factor, postscale_factor)[0]
+
+
+def allreduce(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+    return synchronize(allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor))
+
+
+def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+    op = _resolve_op(op, average)
+    return _enqueue(_core.OP_ALLREDUCE, [tensor], [tensor], _names("allreduce", name, 1), op,
+                    prescale_factor, postscale_factor)[0]
+
+
+def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor))
+
+
+def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+    tensors = _check_tensors(tensors, "grouped_allreduce")
+    op = _resolve_op(op, average)
+    return _enqueue(_core.OP_ALLREDUCE, tensors, [None] * len(tensors), _names("grouped_allreduce", name, len(tensors)),
+                    op, prescale_factor, postscale_factor)
+
+
+def grouped_allreduce(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+    return synchronize(grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor))
+
+
+def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+    tensors = _check_tensors(tensors, "grouped_allreduce_")
+    op = _resolve_op(op, average)
+    return _enqueue(_core.OP_ALLREDUCE, tensors, list(tensors), _names("grouped_allreduce", name, len(tensors)),
+                    op, prescale_factor, postscale_factor)
+
+
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor))
+
+
+# --- allgather ---------------------------------------------------------------
+
+def allgather_async(tensor, name=None, output_dtype=None):
+    """Concatenates every rank's tensor along dim 0, in rank order. Dim 0 may differ
+    between ranks. output_dtype casts while copying into the fusion buffer, so the
+    narrower dtype is what crosses the wire."""
+    return _enqueue(_core.OP_ALLGATHER, [tensor], [None], _names("allgather", name, 1),
+                    output_dtype=output_dtype)[0]
+
+
+def allgather(tensor, name=None, output_dtype=None):
+    return synchronize(allgather_async(tensor, name, output_dtype))
+
+
+def grouped_allgather_async(tensors, name=None, output_dtype=None):
+    tensors = _check_tensors(tensors, "grouped_allgather")
+    return _enqueue(_core.OP_ALLGATHER, tensors, [None] * len(tensors), _names("grouped_allgather", name, len(tensors)),
+                    output_dtype=output_dtype)
+
+
+def grouped_allgather(tensors, name=None, output_dtype=None):
+    return synchronize(grouped_allgather_async(tensors, name, output_dtype))
+
+
+# --- reducescatter -------------------------------------------------------------
+
+def _scatter_output(tensor):
+    if tensor.dim() == 0:
+        return None  # refused with a clear message by the core's validation
+    from horovod_zero.torch.basics import rank
+    n, r = size(), rank()
+    rows = tensor.shape[0] // n + (1 if r < tensor.shape[0] % n else 0)
+    return tensor.new_empty((rows,) + tuple(tensor.shape[1:]))
+
+
+def reducescatter_async(tensor, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+    """Reduces over ranks, then splits along dim 0: rank r keeps its slice; the first
+    dim0 % size ranks get one extra row."""
+    op = _resolve_op(op, None)
+    return _enqueue(_core.OP_REDUCESCATTER, [tensor], [_scatter_output(tensor)], _names("reducescatter", name, 1),
+                    op, prescale_factor, postscale_factor)[0]
+
+
+def reducescatter(tensor, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+    return synchronize(reducescatter_async(tensor, name, op, prescale_factor, postscale_factor))
+
+
+def grouped_reducescatter_async(tensors, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+    tensors = _check_tensors(tensors, "grouped_reducescatter")
+    op = _resolve_op(op, None)
+    return _enqueue(_core.OP_REDUCESCATTER, tensors, [_scatter_output(t) for t in tensors],
+                    _names("grouped_reducescatter", name, len(tensors)), op, prescale_factor, postscale_factor)
+
+
+def grouped_reducescatter(tensors, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+    return synchronize(grouped_reducescatter_async(tensors, name, op, prescale_factor, postscale_factor))
+
+
+# --- broadcast ---------------------------------------------------------------
+
+def broadcast_async(tensor, root_rank, name=None):
+    return _enqueue(_core.OP_BROADCAST, [tensor], [None], _names("broadcast", name, 1), root=root_rank)[0]
+
+
+def broadcast(tensor, root_rank, name=None):
+    return synchronize(broadcast_async(tensor, root_rank, name))
+
+
+def broadcast_async_(tensor, root_rank, name=None):
+    return _enqueue(_core.OP_BROADCAST, [tensor], [tensor], _names("broadcast", name, 1), root=root_rank)[0]
+
+
+def broadcast_(tensor, root_rank, name=None):
+    return synchronize(broadcast_async_(tensor, root_rank, name))
+
+
+def barrier():
+    """Returns once every rank has called barrier()."""
+    allreduce(torch.zeros(1), name=_auto_name("barrier"), op=Sum)

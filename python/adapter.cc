@@ -1,0 +1,307 @@
+// pybind11 module horovod_zero._core: torch tensors in, TensorDesc to the core,
+// handles back, and the one place where a Status becomes a Python exception.
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <mutex>
+#include <unordered_map>
+
+#include "common/params.h"
+#include "fusion/cpu_cast.h"
+#include "runtime/runtime.h"
+#include "transport/gloo/gloo_transport.h"
+#include "cuda_stream.h"
+
+namespace py = pybind11;
+
+namespace hvdz {
+namespace {
+
+PyObject* g_internal_error = nullptr;  // the exception class, created once at import
+
+void ThrowIfError(const Status& s) {
+  if (s.ok()) return;
+  if (s.type() == StatusType::kInvalidArgument) throw py::value_error(s.reason());
+  PyErr_SetString(g_internal_error, s.reason().c_str());
+  throw py::error_already_set();
+}
+
+bool ToDataType(at::ScalarType t, DataType* out) {
+  switch (t) {
+    case at::kByte: *out = DataType::kUInt8; return true;
+    case at::kChar: *out = DataType::kInt8; return true;
+    case at::kInt: *out = DataType::kInt32; return true;
+    case at::kLong: *out = DataType::kInt64; return true;
+    case at::kHalf: *out = DataType::kFloat16; return true;
+    case at::kBFloat16: *out = DataType::kBFloat16; return true;
+    case at::kFloat: *out = DataType::kFloat32; return true;
+    case at::kDouble: *out = DataType::kFloat64; return true;
+    default: return false;
+  }
+}
+
+at::ScalarType ToScalar(DataType t) {
+  static const at::ScalarType kMap[] = {at::kByte, at::kChar, at::kInt, at::kLong,
+                                        at::kHalf, at::kBFloat16, at::kFloat, at::kDouble};
+  return kMap[static_cast<int>(t)];
+}
+
+TensorDesc Describe(const at::Tensor& t, DataType dt) {
+  TensorDesc d;
+  d.data = t.data_ptr();
+  d.dtype = dt;
+  d.shape.assign(t.sizes().begin(), t.sizes().end());
+  d.device = t.is_cuda() ? t.device().index() : kCpuDevice;
+  return d;
+}
+
+Status CheckTensor(const at::Tensor& t, const std::string& name, const char* role, DataType* dt) {
+  if (!t.defined()) return Status::InvalidArgument("The " + std::string(role) + " of '" + name + "' is None.");
+  if (!ToDataType(t.scalar_type(), dt))
+    return Status::InvalidArgument("Tensor '" + name + "' has dtype " + std::string(c10::toString(t.scalar_type())) +
+                                   "; supported: float32, float16, bfloat16, float64, int32, int64, int8, uint8.");
+  if (!t.is_cpu() && !t.is_cuda())
+    return Status::InvalidArgument("Tensor '" + name + "' is on " + t.device().str() + "; only CPU and CUDA tensors are supported.");
+  if (!t.is_contiguous())
+    return Status::InvalidArgument("Tensor '" + name + "' is not contiguous; pass tensor.contiguous().");
+  if (t.is_sparse()) return Status::InvalidArgument("Tensor '" + name + "' is sparse; pass a dense tensor.");
+  return Status::OK();
+}
+
+// Memory from torch's allocators, so that fusion buffers and outputs show up in
+// torch.cuda.memory_allocated() like every other tensor.
+class TorchAllocator : public Allocator {
+ public:
+  Status Allocate(int device, DataType dtype, const std::vector<int64_t>& shape, TensorDesc* out,
+                  std::shared_ptr<void>* holder) override {
+    try {
+      auto opts = at::TensorOptions().dtype(ToScalar(dtype));
+      opts = device == kCpuDevice ? opts.device(at::kCPU) : opts.device(at::Device(at::kCUDA, device));
+      auto t = std::make_shared<at::Tensor>(at::empty(shape, opts));
+      *out = Describe(*t, dtype);
+      *holder = t;
+      return Status::OK();
+    } catch (const std::exception& e) {
+      return Status::Error(std::string("Allocation failed: ") + e.what());
+    }
+  }
+};
+
+struct OpArgs {
+  int op;
+  int reduce_op;
+  double prescale;
+  double postscale;
+  int root;
+  std::optional<at::ScalarType> output_dtype;
+};
+
+Status Validate(const OpArgs& a, const std::string& name, DataType dt, DataType out_dt, const at::Tensor& t, int size) {
+  const auto op = static_cast<OpType>(a.op);
+  const bool reduces = op == OpType::kAllreduce || op == OpType::kReducescatter;
+  if (reduces && !IsFloatingPoint(dt)) {
+    if (static_cast<ReduceOp>(a.reduce_op) == ReduceOp::kAverage)
+      return Status::InvalidArgument("op=Average on integer tensor '" + name + "' would truncate; use op=Sum and divide.");
+    if (a.prescale != 1.0 || a.postscale != 1.0)
+      return Status::InvalidArgument("prescale/postscale factors need a floating-point tensor; '" + name + "' is integer.");
+  }
+  if (out_dt != dt && !(IsFloatingPoint(dt) && IsFloatingPoint(out_dt)))
+    return Status::InvalidArgument("output_dtype casts between floating-point dtypes only (tensor '" + name + "').");
+  if ((op == OpType::kAllgather || op == OpType::kReducescatter) && t.dim() == 0)
+    return Status::InvalidArgument(std::string(OpTypeName(op)) + " of '" + name + "' needs a tensor with at least one dimension.");
+  if (op == OpType::kBroadcast && (a.root < 0 || a.root >= size))
+    return Status::InvalidArgument("root_rank " + std::to_string(a.root) + " of '" + name + "' is not a rank of this job of size " + std::to_string(size) + ".");
+  return Status::OK();
+}
+
+class PyRuntime {
+ public:
+  PyRuntime(GlooBackend backend, int rank, int size, int local_rank, int local_size, int cross_rank, int cross_size) {
+    std::string warnings;
+    Params p = Params::FromEnvironment(&warnings);
+    WorldInfo w{rank, size, local_rank, local_size, cross_rank, cross_size};
+    rt_ = std::make_unique<Runtime>(w, p, MakeGlooControlPlane(backend, p.transport_timeout_seconds),
+                                    MakeGlooCommunicator(backend, p.transport_timeout_seconds),
+                                    std::make_unique<TorchAllocator>());
+    if (!warnings.empty()) HVDZ_LOG(rt_->logger(), kWarning) << warnings;
+    ThrowIfError(rt_->Start());
+  }
+
+  // One call for single and grouped ops: the entries are accepted together or not at all.
+  std::vector<int64_t> Enqueue(const OpArgs& a, const std::vector<at::Tensor>& inputs,
+                               const std::vector<std::optional<at::Tensor>>& outputs,
+                               const std::vector<std::string>& names) {
+    if (inputs.size() != outputs.size() || inputs.size() != names.size())
+      ThrowIfError(Status::InvalidArgument("inputs, outputs and names must have the same length."));
+    const auto op = static_cast<OpType>(a.op);
+    std::vector<TensorEntry> entries;
+    std::vector<std::shared_ptr<at::Tensor>> slots;
+    void* stream = nullptr;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const at::Tensor& in = inputs[i];
+      DataType dt;
+      ThrowIfError(CheckTensor(in, names[i], "input", &dt));
+      DataType out_dt = dt;
+      if (a.output_dtype && !ToDataType(*a.output_dtype, &out_dt))
+        ThrowIfError(Status::InvalidArgument("Unsupported output_dtype for '" + names[i] + "'."));
+      ThrowIfError(Validate(a, names[i], dt, out_dt, in, rt_->world().size));
+      TensorEntry e;
+      e.request.name = names[i];
+      e.request.op = op;
+      e.request.reduce_op = static_cast<ReduceOp>(a.reduce_op);
+      e.request.dtype = dt;
+      e.request.out_dtype = out_dt;
+      e.request.device = in.is_cuda() ? in.device().index() : kCpuDevice;
+      e.request.root = a.root;
+      e.request.prescale = a.prescale;
+      e.request.postscale = a.postscale;
+      e.request.shape.assign(in.sizes().begin(), in.sizes().end());
+      e.input = Describe(in, dt);
+      auto slot = std::make_shared<at::Tensor>();
+      if (outputs[i]) {
+        DataType odt;
+        ThrowIfError(CheckTensor(*outputs[i], names[i], "output", &odt));
+        if (outputs[i]->device() != in.device() || odt != out_dt)
+          ThrowIfError(Status::InvalidArgument("The output of '" + names[i] + "' must match the input's device and dtype."));
+        *slot = *outputs[i];
+        e.output = Describe(*slot, out_dt);
+      } else {
+        auto opts = in.options().dtype(ToScalar(out_dt));
+        e.allocate_output = [slot, opts, out_dt](const std::vector<int64_t>& shape, TensorDesc* out) {
+          try {
+            *slot = at::empty(shape, opts);
+          } catch (const std::exception& ex) {
+            return Status::Error(std::string("Output allocation failed: ") + ex.what());
+          }
+          *out = Describe(*slot, out_dt);
+          return Status::OK();
+        };
+      }
+      auto input_ref = std::make_shared<at::Tensor>(in);
+      e.keepalive = std::make_shared<std::pair<std::shared_ptr<at::Tensor>, std::shared_ptr<at::Tensor>>>(input_ref, slot);
+      if (in.is_cuda() && stream == nullptr) stream = CurrentCudaStream(in.device().index());
+      entries.push_back(std::move(e));
+      slots.push_back(slot);
+    }
+    std::vector<int64_t> handles;
+    ThrowIfError(rt_->Enqueue(std::move(entries), stream, &handles));
+    std::lock_guard<std::mutex> lk(mu_);
+    for (size_t i = 0; i < handles.size(); ++i) results_[handles[i]] = slots[i];
+    return handles;
+  }
+
+  at::Tensor Wait(int64_t h) {
+    Status s;
+    {
+      py::gil_scoped_release nogil;
+      s = rt_->handles().Wait(h);
+    }
+    std::shared_ptr<at::Tensor> slot;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      auto it = results_.find(h);
+      if (it != results_.end()) {
+        slot = it->second;
+        results_.erase(it);
+      }
+    }
+    if (s.type() != StatusType::kInvalidArgument) rt_->handles().Release(h);
+    ThrowIfError(s);
+    return slot ? *slot : at::Tensor();
+  }
+
+  bool Poll(int64_t h) {
+    bool done = false;
+    ThrowIfError(rt_->handles().Poll(h, &done));
+    return done;
+  }
+
+  void Shutdown() {
+    py::gil_scoped_release nogil;
+    rt_->Shutdown();
+  }
+
+  py::list Stats() {
+    py::list out;
+    for (const auto& kv : rt_->counters().Snapshot()) {
+      py::dict d;
+      d["op"] = OpTypeName(std::get<0>(kv.first));
+      d["device"] = std::get<1>(kv.first) ? "cuda" : "cpu";
+      d["dtype"] = DataTypeName(std::get<2>(kv.first));
+      d["collectives"] = kv.second.collectives;
+      d["tensors"] = kv.second.tensors;
+      d["bytes"] = kv.second.bytes;
+      out.append(d);
+    }
+    return out;
+  }
+
+  void ResetStats() { rt_->counters().Reset(); }
+
+  py::dict Info() {
+    const Params& p = rt_->params();
+    py::dict d;
+    d["fusion_threshold"] = p.fusion_threshold_bytes;
+    d["cycle_time_ms"] = p.cycle_time_ms;
+    d["cache_capacity"] = p.cache_capacity;
+    d["timeline"] = p.timeline_path;
+    d["stall_check_seconds"] = p.stall_check_seconds;
+    d["stall_shutdown_seconds"] = p.stall_shutdown_seconds;
+    d["gloo_timeout_seconds"] = p.transport_timeout_seconds;
+    d["cuda"] = rt_->has_cuda();
+    d["slow_path_cycles"] = rt_->slow_path_cycles();
+    return d;
+  }
+
+ private:
+  std::unique_ptr<Runtime> rt_;
+  std::mutex mu_;
+  std::unordered_map<int64_t, std::shared_ptr<at::Tensor>> results_;
+};
+
+// Test hook: the CPU cast kernel on a whole tensor, to compare with torch's .to().
+at::Tensor CpuCast(const at::Tensor& t, at::ScalarType to, double scale) {
+  DataType s, d;
+  if (!ToDataType(t.scalar_type(), &s) || !ToDataType(to, &d)) throw py::value_error("unsupported dtype");
+  at::Tensor src = t.contiguous();
+  at::Tensor out = at::empty(src.sizes(), src.options().dtype(to));
+  CpuBatchedCopy({{src.data_ptr(), out.data_ptr(), src.numel()}}, s, d, scale);
+  return out;
+}
+
+}  // namespace
+}  // namespace hvdz
+
+PYBIND11_MODULE(_core, m) {
+  using namespace hvdz;
+  m.doc() = "horovod_zero C++ core";
+  static py::exception<std::runtime_error> internal_error(m, "HorovodInternalError", PyExc_RuntimeError);
+  g_internal_error = internal_error.ptr();
+
+  py::class_<OpArgs>(m, "OpArgs")
+      .def(py::init<int, int, double, double, int, std::optional<at::ScalarType>>(), py::arg("op"),
+           py::arg("reduce_op"), py::arg("prescale"), py::arg("postscale"), py::arg("root"),
+           py::arg("output_dtype"));
+
+  py::class_<PyRuntime>(m, "Runtime")
+      .def(py::init<GlooBackend, int, int, int, int, int, int>(), py::arg("backend"), py::arg("rank"),
+           py::arg("size"), py::arg("local_rank"), py::arg("local_size"), py::arg("cross_rank"),
+           py::arg("cross_size"))
+      .def("enqueue", &PyRuntime::Enqueue)
+      .def("wait", &PyRuntime::Wait)
+      .def("poll", &PyRuntime::Poll)
+      .def("shutdown", &PyRuntime::Shutdown)
+      .def("stats", &PyRuntime::Stats)
+      .def("reset_stats", &PyRuntime::ResetStats)
+      .def("info", &PyRuntime::Info);
+
+  m.def("cpu_cast", &CpuCast, py::arg("tensor"), py::arg("dtype"), py::arg("scale") = 1.0);
+  m.attr("OP_ALLREDUCE") = static_cast<int>(OpType::kAllreduce);
+  m.attr("OP_ALLGATHER") = static_cast<int>(OpType::kAllgather);
+  m.attr("OP_REDUCESCATTER") = static_cast<int>(OpType::kReducescatter);
+  m.attr("OP_BROADCAST") = static_cast<int>(OpType::kBroadcast);
+  m.attr("SUM") = static_cast<int>(ReduceOp::kSum);
+  m.attr("AVERAGE") = static_cast<int>(ReduceOp::kAverage);
+  m.attr("MIN") = static_cast<int>(ReduceOp::kMin);
+  m.attr("MAX") = static_cast<int>(ReduceOp::kMax);
+}

@@ -1,0 +1,269 @@
+// Negotiation with ranks as threads: agreement, disagreement, the response cache
+// (hit, miss, eviction, invalidation) and stalls.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <functional>
+
+#include "in_memory_control_plane.h"
+#include "negotiation/controller.h"
+
+namespace hvdz {
+namespace {
+
+using testing::Hub;
+using testing::InMemoryControlPlane;
+using testing::Spawn;
+
+Request Req(const std::string& name, std::vector<int64_t> shape, OpType op = OpType::kAllreduce,
+            DataType dt = DataType::kFloat32) {
+  Request r;
+  r.name = name;
+  r.shape = std::move(shape);
+  r.op = op;
+  r.dtype = r.out_dtype = dt;
+  return r;
+}
+
+struct Trace {
+  std::vector<std::vector<Response>> cycles;
+  std::vector<bool> slow;
+  size_t cache_entries = 0;
+};
+
+using Script = std::function<std::vector<Request>(int rank, int cycle)>;
+
+std::vector<Trace> RunRanks(int size, const Params& p, int cycles, const Script& script, int sleep_ms = 0) {
+  Hub hub(size);
+  std::vector<Trace> out(size);
+  Spawn(size, [&](int rank) {
+    InMemoryControlPlane cp(hub, rank);
+    Logger log(LogLevel::kFatal, rank);
+    Controller c(cp, p, log);
+    for (int k = 0; k < cycles; ++k) {
+      auto reqs = script(rank, k);
+      for (auto& r : reqs) r.rank = rank;
+      CycleResult res;
+      Status s = c.RunCycle(reqs, false, &res);
+      EXPECT_TRUE(s.ok()) << s.reason();
+      out[rank].cycles.push_back(res.responses);
+      out[rank].slow.push_back(res.slow_path);
+      if (sleep_ms) std::this_thread::sleep_for(std::chrono::milliseconds(sleep_ms));
+    }
+    out[rank].cache_entries = c.cache().num_entries();
+  });
+  return out;
+}
+
+std::vector<std::string> Names(const std::vector<Response>& rs) {
+  std::vector<std::string> n;
+  for (const auto& r : rs) n.push_back(r.name);
+  return n;
+}
+
+// Every rank must see the same names, in the same order, in every cycle.
+void ExpectIdentical(const std::vector<Trace>& t) {
+  for (size_t r = 1; r < t.size(); ++r)
+    for (size_t k = 0; k < t[0].cycles.size(); ++k)
+      EXPECT_EQ(Names(t[r].cycles[k]), Names(t[0].cycles[k])) << "rank " << r << " cycle " << k;
+}
+
+const Response* Find(const Trace& t, const std::string& name, int* cycle = nullptr) {
+  for (size_t k = 0; k < t.cycles.size(); ++k)
+    for (const auto& r : t.cycles[k])
+      if (r.name == name) {
+        if (cycle) *cycle = static_cast<int>(k);
+        return &r;
+      }
+  return nullptr;
+}
+
+TEST(Controller, AgreeingRanksGetIdenticalResponsesInTheSameOrder) {
+  Params p;
+  auto t = RunRanks(3, p, 2, [](int rank, int cycle) {
+    std::vector<Request> rs{Req("a", {3}), Req("b", {2, 2}), Req("c", {1})};
+    std::rotate(rs.begin(), rs.begin() + rank, rs.end());  // each rank submits in another order
+    return cycle == 0 ? rs : std::vector<Request>{};
+  });
+  ExpectIdentical(t);
+  EXPECT_EQ(t[0].cycles[0].size(), 3u);
+  for (const auto& r : t[0].cycles[0]) EXPECT_TRUE(r.ok()) << r.error;
+  EXPECT_TRUE(t[0].slow[0]);
+  EXPECT_FALSE(t[0].slow[1]);  // nothing new: no slow path
+}
+
+TEST(Controller, RepeatedTensorsAreServedFromTheCache) {
+  Params p;
+  auto t = RunRanks(2, p, 4, [](int, int cycle) {
+    return cycle == 0 || cycle == 2 ? std::vector<Request>{Req("a", {3}), Req("b", {4})} : std::vector<Request>{};
+  });
+  ExpectIdentical(t);
+  EXPECT_TRUE(t[0].slow[0]);
+  EXPECT_EQ(t[0].cycles[2].size(), 2u);
+  EXPECT_FALSE(t[0].slow[2]) << "a cache hit must not take the slow path";
+  EXPECT_EQ(t[0].cycles[2][0].shape, (std::vector<int64_t>{3}));
+}
+
+TEST(Controller, MismatchedShapeIsAnErrorNamingTheTensorAndBothValues) {
+  Params p;
+  auto t = RunRanks(2, p, 1, [](int rank, int) { return std::vector<Request>{Req("w0", {rank == 0 ? 3 : 4})}; });
+  for (const auto& tr : t) {
+    ASSERT_EQ(tr.cycles[0].size(), 1u);
+    const auto& e = tr.cycles[0][0].error;
+    EXPECT_NE(e.find("'w0'"), std::string::npos) << e;
+    EXPECT_NE(e.find("[3]"), std::string::npos) << e;
+    EXPECT_NE(e.find("[4]"), std::string::npos) << e;
+  }
+}
+
+TEST(Controller, MismatchedDtypeAndRootAreErrors) {
+  Params p;
+  auto t = RunRanks(2, p, 1, [](int rank, int) {
+    auto a = Req("d", {2}, OpType::kAllreduce, rank ? DataType::kFloat16 : DataType::kFloat32);
+    auto b = Req("r", {2}, OpType::kBroadcast);
+    b.root = rank;
+    return std::vector<Request>{a, b};
+  });
+  EXPECT_NE(Find(t[1], "d")->error.find("float16"), std::string::npos);
+  EXPECT_NE(Find(t[1], "r")->error.find("root rank"), std::string::npos);
+}
+
+TEST(Controller, AllgatherMayDifferInDimZeroOnly) {
+  Params p;
+  auto t = RunRanks(3, p, 1, [](int rank, int) {
+    return std::vector<Request>{Req("g", {rank + 1, 2}, OpType::kAllgather)};
+  });
+  const Response* r = Find(t[2], "g");
+  ASSERT_NE(r, nullptr);
+  EXPECT_TRUE(r->ok()) << r->error;
+  EXPECT_EQ(r->first_dims, (std::vector<int64_t>{1, 2, 3}));
+}
+
+TEST(Controller, ATensorIsReadyOnlyOnceEveryRankSubmittedIt) {
+  Params p;
+  auto t = RunRanks(2, p, 7, [](int rank, int cycle) {
+    // First round through the slow path, second through the cache.
+    bool submit = (rank == 0 && (cycle == 0 || cycle == 3)) || (rank == 1 && (cycle == 2 || cycle == 5));
+    return submit ? std::vector<Request>{Req("x", {8})} : std::vector<Request>{};
+  });
+  ExpectIdentical(t);
+  std::vector<int> seen;
+  for (int k = 0; k < 7; ++k)
+    if (!t[0].cycles[k].empty()) seen.push_back(k);
+  EXPECT_EQ(seen, (std::vector<int>{2, 5}));
+  EXPECT_FALSE(t[0].slow[5]);
+}
+
+TEST(Controller, EvictionKeepsEveryRanksCacheInStep) {
+  Params p;
+  p.cache_capacity = 2;
+  const char* order[] = {"a", "b", "c", "a", "c", "b"};
+  auto t = RunRanks(3, p, 6, [&](int, int cycle) { return std::vector<Request>{Req(order[cycle], {4})}; });
+  ExpectIdentical(t);
+  // a, b, c are new; a was evicted by c, so it is new again; c is still cached;
+  // b was evicted by a's return.
+  std::vector<bool> expect_slow{true, true, true, true, false, true};
+  EXPECT_EQ(t[0].slow, expect_slow);
+  for (const auto& tr : t) EXPECT_EQ(tr.cache_entries, 2u);
+}
+
+TEST(Controller, ShapeChangedOnEveryRankReplacesTheCachedResponse) {
+  Params p;
+  auto t = RunRanks(2, p, 6, [](int, int cycle) {
+    if (cycle == 0) return std::vector<Request>{Req("x", {3})};
+    if (cycle == 2) return std::vector<Request>{Req("x", {5})};
+    return std::vector<Request>{};
+  });
+  ExpectIdentical(t);
+  int last = -1;
+  const Response* r = nullptr;
+  for (size_t k = 1; k < t[0].cycles.size(); ++k)
+    for (const auto& x : t[0].cycles[k]) {
+      r = &x;
+      last = static_cast<int>(k);
+    }
+  ASSERT_NE(r, nullptr);
+  EXPECT_GE(last, 2);
+  EXPECT_TRUE(r->ok()) << r->error;
+  EXPECT_EQ(r->shape, (std::vector<int64_t>{5}));
+}
+
+TEST(Controller, ShapeChangedOnOneRankIsAMismatchEvenWhenCached) {
+  Params p;
+  auto t = RunRanks(2, p, 6, [](int rank, int cycle) {
+    if (cycle == 0) return std::vector<Request>{Req("x", {3})};
+    if (cycle == 2) return std::vector<Request>{Req("x", {rank == 0 ? 3 : 4})};
+    return std::vector<Request>{};
+  });
+  for (const auto& tr : t) {
+    const Response* err = nullptr;
+    for (size_t k = 1; k < tr.cycles.size(); ++k)
+      for (const auto& x : tr.cycles[k])
+        if (!x.ok()) err = &x;
+    ASSERT_NE(err, nullptr);
+    EXPECT_NE(err->error.find("[3]"), std::string::npos) << err->error;
+    EXPECT_NE(err->error.find("[4]"), std::string::npos) << err->error;
+  }
+}
+
+TEST(Controller, StalledTensorFailsNamingTheMissingRanks) {
+  Params p;
+  p.stall_check_seconds = 0.01;
+  p.stall_shutdown_seconds = 0.05;
+  auto t = RunRanks(3, p, 20, [](int rank, int cycle) {
+    return cycle == 0 && rank != 1 ? std::vector<Request>{Req("lonely", {2})} : std::vector<Request>{};
+  }, 10);
+  ExpectIdentical(t);
+  const Response* r = Find(t[0], "lonely");
+  ASSERT_NE(r, nullptr);
+  EXPECT_FALSE(r->ok());
+  EXPECT_NE(r->error.find("not by ranks [1]"), std::string::npos) << r->error;
+  EXPECT_NE(r->error.find("ranks [0, 2]"), std::string::npos) << r->error;
+}
+
+TEST(Controller, StalledCachedTensorFailsToo) {
+  Params p;
+  p.stall_check_seconds = 0.01;
+  p.stall_shutdown_seconds = 0.05;
+  auto t = RunRanks(2, p, 20, [](int rank, int cycle) {
+    bool submit = cycle == 0 || (cycle == 2 && rank == 0);
+    return submit ? std::vector<Request>{Req("y", {2})} : std::vector<Request>{};
+  }, 10);
+  ExpectIdentical(t);
+  int errors = 0;
+  for (size_t k = 1; k < t[0].cycles.size(); ++k)
+    for (const auto& x : t[0].cycles[k])
+      if (!x.ok()) {
+        ++errors;
+        EXPECT_NE(x.error.find("not by ranks [1]"), std::string::npos) << x.error;
+      }
+  EXPECT_EQ(errors, 1);
+}
+
+TEST(Controller, WithoutACacheEveryNewTensorTakesTheSlowPath) {
+  Params p;
+  p.cache_capacity = 0;
+  auto t = RunRanks(2, p, 3, [](int, int cycle) {
+    return cycle != 1 ? std::vector<Request>{Req("a", {2})} : std::vector<Request>{};
+  });
+  EXPECT_EQ(t[0].slow, (std::vector<bool>{true, false, true}));
+  EXPECT_EQ(Names(t[0].cycles[2]), (std::vector<std::string>{"a"}));
+}
+
+TEST(Controller, ShutdownRequestedByAnyRankReachesAll) {
+  Params p;
+  Hub hub(3);
+  std::vector<int> stopped(3, 0);
+  Spawn(3, [&](int rank) {
+    InMemoryControlPlane cp(hub, rank);
+    Logger log(LogLevel::kFatal, rank);
+    Controller c(cp, p, log);
+    CycleResult res;
+    EXPECT_TRUE(c.RunCycle({}, rank == 2, &res).ok());
+    stopped[rank] = res.shutdown;
+  });
+  EXPECT_EQ(stopped, (std::vector<int>{1, 1, 1}));
+}
+
+}  // namespace
+}  // namespace hvdz

@@ -1,0 +1,132 @@
+"""The CUDA path over NCCL: every op against plain-torch references, the fused
+cast kernel, fusion counts, stream ordering, and CPU and CUDA ops in one cycle."""
+
+import pytest
+import torch
+
+import horovod_zero.torch as hvd
+from refs import make, reduce_ref, scatter_slice, tol
+
+pytestmark = pytest.mark.gpu
+
+_pools = {}
+
+
+@pytest.fixture(params=[2], ids=["2gpus"])
+def gpus(request):
+    from harness import RankPool
+    if request.param not in _pools:
+        _pools[request.param] = RankPool(request.param)
+    yield _pools[request.param]
+
+
+def teardown_module(module):
+    for p in _pools.values():
+        p.close()
+
+
+def _close(out, ref, dtype_name):
+    assert out.is_cuda
+    torch.testing.assert_close(out.cpu().double() if out.dtype.is_floating_point else out.cpu().long(),
+                               ref.double() if ref.dtype.is_floating_point else ref.long(), **tol(dtype_name))
+
+
+def _ops(dtype_name):
+    n, r, dev = hvd.size(), hvd.rank(), hvd.device()
+    assert dev.type == "cuda" and hvd.cuda_built()
+    ins = [make(k, (33, 5), dtype_name, 7) for k in range(n)]
+    mine = ins[r].to(dev)
+    float_dt = mine.dtype.is_floating_point
+    for op_name in ("Sum", "Min", "Max") + (("Average",) if float_dt else ()):
+        out = hvd.allreduce(mine, op=getattr(hvd, op_name), name=f"g.ar.{dtype_name}.{op_name}")
+        _close(out, reduce_ref(ins, op_name).to(out.dtype), dtype_name)
+        rs = hvd.reducescatter(mine, op=getattr(hvd, op_name), name=f"g.rs.{dtype_name}.{op_name}")
+        _close(rs, scatter_slice(reduce_ref(ins, op_name), n, r).to(rs.dtype), dtype_name)
+    uneven = make(r, (r + 2, 3), dtype_name, 8).to(dev)
+    ag = hvd.allgather(uneven, name=f"g.ag.{dtype_name}")
+    assert torch.equal(ag.cpu(), torch.cat([make(k, (k + 2, 3), dtype_name, 8) for k in range(n)]))
+    bc = hvd.broadcast(mine, root_rank=n - 1, name=f"g.bc.{dtype_name}")
+    assert torch.equal(bc.cpu(), ins[n - 1])
+    if float_dt:
+        scaled = hvd.allreduce(mine, op=hvd.Sum, prescale_factor=0.5, postscale_factor=4.0, name=f"g.sc.{dtype_name}")
+        _close(scaled, 2.0 * reduce_ref(ins, "Sum").to(scaled.dtype).double(), dtype_name)
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16", "float16", "float64", "int64", "int32", "int8", "uint8"])
+def test_cuda_ops_match_torch(gpus, dtype_name):
+    gpus.run(_ops, dtype_name)
+
+
+def _cast_on_the_way_in(out_dtype_name):
+    n, r, dev = hvd.size(), hvd.rank(), hvd.device()
+    odt = getattr(torch, out_dtype_name)
+    specials = torch.tensor([65504.0, 65520.0, 1e-8, 6e-8, 1.00390625, 3.4e38, -0.0], dtype=torch.float32)
+    ins = [torch.cat([specials, make(k, (4096,), "float32", 9) * 1e3]) for k in range(n)]
+    hvd.collective_stats(reset=True)
+    out = hvd.allgather(ins[r].to(dev), output_dtype=odt, name=f"g.cast.{out_dtype_name}")
+    ref = torch.cat(ins).to(odt)
+    assert out.dtype == odt
+    assert torch.equal(out.cpu().view(torch.int16), ref.view(torch.int16)), "CUDA cast must round like torch"
+    (stat,) = [s for s in hvd.collective_stats() if s["device"] == "cuda"]
+    assert stat["dtype"] == out_dtype_name and stat["bytes"] == 2 * ref.numel()
+
+
+@pytest.mark.parametrize("out_dtype_name", ["bfloat16", "float16"])
+def test_cuda_cast_kernel_rounds_like_torch_and_halves_the_wire(gpus, out_dtype_name):
+    gpus.run(_cast_on_the_way_in, out_dtype_name)
+
+
+def _fused_cuda():
+    dev = hvd.device()
+    hvd.collective_stats(reset=True)
+    ts = [torch.full((i + 1,), float(i), device=dev) for i in range(300)]
+    outs = hvd.grouped_allreduce(ts, op=hvd.Sum, name="g.fused")
+    for i, o in enumerate(outs):
+        assert torch.equal(o.cpu(), torch.full((i + 1,), float(i * hvd.size())))
+    gathered = hvd.grouped_allgather([torch.full((2, i + 1), float(hvd.rank()), device=dev) for i in range(100)],
+                                     name="g.fused_ag")
+    for i, o in enumerate(gathered):
+        assert torch.equal(o.cpu(), torch.cat([torch.full((2, i + 1), float(k)) for k in range(hvd.size())]))
+    return {(s["op"], s["device"]): s["collectives"] for s in hvd.collective_stats()}
+
+
+def test_cuda_fusion_makes_one_collective_per_group(gpus):
+    for stats in gpus.run(_fused_cuda):
+        assert stats == {("allreduce", "cuda"): 1, ("allgather", "cuda"): 1}, stats
+
+
+def _stream_order():
+    dev = hvd.device()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        x = torch.ones(1 << 24, device=dev)
+        for _ in range(20):  # long producer work on the user's stream
+            x = x * 1.0 + 0.0
+        x.add_(hvd.rank())
+        out = hvd.allreduce(x, op=hvd.Sum, name="g.stream")
+    return out[:4].cpu().tolist(), out[-1].item()
+
+
+def test_collective_waits_for_the_producer_stream(gpus):
+    n = gpus.size
+    expect = float(sum(1 + k for k in range(n)))
+    for head, tail in gpus.run(_stream_order):
+        assert head == [expect] * 4 and tail == expect
+
+
+def _mixed_cycle():
+    dev = hvd.device()
+    hvd.collective_stats(reset=True)
+    hs = []
+    for i in range(10):
+        hs.append(hvd.allreduce_async(torch.full((3,), float(i)), op=hvd.Sum, name=f"g.mix.cpu.{i}"))
+        hs.append(hvd.allreduce_async(torch.full((3,), float(i), device=dev), op=hvd.Sum, name=f"g.mix.cuda.{i}"))
+    outs = hvd.synchronize(hs)
+    for i in range(10):
+        assert torch.equal(outs[2 * i], torch.full((3,), float(i * hvd.size())))
+        assert outs[2 * i + 1].is_cuda and torch.equal(outs[2 * i + 1].cpu(), torch.full((3,), float(i * hvd.size())))
+    return sorted({s["device"] for s in hvd.collective_stats()})
+
+
+def test_cpu_and_cuda_ops_in_flight_together(gpus):
+    assert gpus.run(_mixed_cycle) == [["cpu", "cuda"]] * gpus.size

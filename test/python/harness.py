@@ -1,0 +1,140 @@
+"""Multi-process test harness: N ranks on one machine over Gloo (CPU) or NCCL (GPU).
+
+A RankPool keeps N worker processes alive, each with hvd.init() done once, and
+runs test functions on all of them (functions must be defined at module level,
+so that they can be sent by name). launch() starts fresh processes for tests that
+break the job (dead peers, stalls) or change its environment.
+"""
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+
+_CTX = mp.get_context("spawn")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank, size, port, extra=None):
+    env = {
+        "RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(size),
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
+    }
+    env.update(extra or {})
+    return env
+
+
+def _apply_env(env):
+    for k in ("HOROVOD_RANK", "HOROVOD_SIZE"):
+        os.environ.pop(k, None)
+    os.environ.update(env)
+
+
+def _worker(env, inbox, outbox):
+    _apply_env(env)
+    rank = int(env["RANK"])
+    try:
+        import horovod_zero.torch as hvd
+        hvd.init()
+        outbox.put((rank, "ok", None))
+    except BaseException:
+        outbox.put((rank, "error", traceback.format_exc()))
+        return
+    while True:
+        job = inbox.get()
+        if job is None:
+            break
+        fn, args = job
+        try:
+            outbox.put((rank, "ok", fn(*args)))
+        except BaseException:
+            outbox.put((rank, "error", traceback.format_exc()))
+    hvd.shutdown()
+
+
+class RankPool:
+    def __init__(self, size, env=None, timeout=120):
+        self.size = size
+        port = free_port()
+        self._inboxes = [_CTX.Queue() for _ in range(size)]
+        self._outbox = _CTX.Queue()
+        self._procs = [
+            _CTX.Process(target=_worker, args=(rank_env(r, size, port, env), self._inboxes[r], self._outbox), daemon=True)
+            for r in range(size)
+        ]
+        for p in self._procs:
+            p.start()
+        self._collect(timeout, "init")
+
+    def _collect(self, timeout, what):
+        results, errors = [None] * self.size, []
+        for _ in range(self.size):
+            try:
+                rank, status, value = self._outbox.get(timeout=timeout)
+            except queue.Empty:
+                self.close(force=True)
+                raise TimeoutError(f"{what}: not every rank answered within {timeout} s") from None
+            if status == "ok":
+                results[rank] = value
+            else:
+                errors.append(f"--- rank {rank} ---\n{value}")
+        if errors:
+            raise AssertionError(f"{what} failed:\n" + "\n".join(errors))
+        return results
+
+    def run(self, fn, *args, timeout=120):
+        """Runs fn(*args) on every rank; returns the per-rank results in rank order."""
+        for q in self._inboxes:
+            q.put((fn, args))
+        return self._collect(timeout, fn.__name__)
+
+    def close(self, force=False):
+        if not force:
+            for q in self._inboxes:
+                q.put(None)
+        for p in self._procs:
+            p.join(timeout=10 if not force else 0.1)
+            if p.is_alive():
+                p.kill()
+
+
+def _launched(env, fn, args, outbox):
+    _apply_env(env)
+    rank = int(env["RANK"])
+    try:
+        outbox.put((rank, "ok", fn(*args)))
+    except BaseException:
+        outbox.put((rank, "error", traceback.format_exc()))
+
+
+def launch(fn, size, *args, env=None, timeout=120):
+    """Runs fn(*args) in `size` fresh processes (fn calls hvd.init() itself).
+    Returns {rank: ("ok", result) | ("error", traceback)}; ranks that exit without
+    answering are missing from it."""
+    port = free_port()
+    outbox = _CTX.Queue()
+    procs = [_CTX.Process(target=_launched, args=(rank_env(r, size, port, env), fn, args, outbox)) for r in range(size)]
+    for p in procs:
+        p.start()
+    out = {}
+    deadline = time.monotonic() + timeout
+    while len(out) < size and time.monotonic() < deadline:
+        try:
+            rank, status, value = outbox.get(timeout=0.2)
+            out[rank] = (status, value)
+        except queue.Empty:
+            if not any(p.is_alive() for p in procs) and outbox.empty():
+                break  # a rank that died will never answer
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+    return out

@@ -1,0 +1,196 @@
+"""Every op and dtype over 2 and 3 CPU ranks (Gloo), fusion on and off, against
+references computed with plain torch."""
+
+import pytest
+import torch
+
+import horovod_zero.torch as hvd
+from refs import DTYPES, FLOATS, dtype, make, reduce_ref, scatter_slice, tol
+
+OPS = ["Sum", "Average", "Min", "Max"]
+
+
+def _assert_close(out, ref, dtype_name):
+    assert out.dtype == dtype(dtype_name), (out.dtype, dtype_name)
+    torch.testing.assert_close(out.double() if out.dtype.is_floating_point else out.long(),
+                               ref.double() if ref.dtype.is_floating_point else ref.long(), **tol(dtype_name))
+
+
+def _allreduce(dtype_name, op_name, seed):
+    n, r = hvd.size(), hvd.rank()
+    shape = (4, 5)
+    inputs = [make(k, shape, dtype_name, seed) for k in range(n)]
+    mine = inputs[r].clone()
+    out = hvd.allreduce(mine, op=getattr(hvd, op_name), name=f"ar.{dtype_name}.{op_name}.{seed}")
+    assert torch.equal(mine, inputs[r]), "allreduce must not modify its input"
+    _assert_close(out, reduce_ref(inputs, op_name).to(out.dtype), dtype_name)
+    # In place.
+    hvd.allreduce_(mine, op=getattr(hvd, op_name), name=f"ar_.{dtype_name}.{op_name}.{seed}")
+    _assert_close(mine, reduce_ref(inputs, op_name).to(out.dtype), dtype_name)
+
+
+@pytest.mark.parametrize("dtype_name", DTYPES)
+@pytest.mark.parametrize("op_name", OPS)
+def test_allreduce(ranks_fusion, dtype_name, op_name):
+    if op_name == "Average" and not dtype(dtype_name).is_floating_point:
+        pytest.skip("Average is refused for integer tensors (test_errors covers it)")
+    ranks_fusion.run(_allreduce, dtype_name, op_name, 1)
+
+
+def _allreduce_scaled(dtype_name):
+    n, r = hvd.size(), hvd.rank()
+    inputs = [make(k, (7,), dtype_name, 2) for k in range(n)]
+    out = hvd.allreduce(inputs[r], op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0, name=f"scaled.{dtype_name}")
+    _assert_close(out, (3.0 * reduce_ref([0.5 * t.double() for t in inputs], "Sum")).to(out.dtype), dtype_name)
+    avg = hvd.allreduce(inputs[r], op=hvd.Average, postscale_factor=2.0, name=f"scaled_avg.{dtype_name}")
+    _assert_close(avg, (2.0 * reduce_ref(inputs, "Average")).to(out.dtype), dtype_name)
+
+
+@pytest.mark.parametrize("dtype_name", FLOATS)
+def test_allreduce_prescale_postscale(ranks, dtype_name):
+    ranks.run(_allreduce_scaled, dtype_name)
+
+
+def _allgather(dtype_name, out_dtype_name, uneven):
+    n, r = hvd.size(), hvd.rank()
+    rows = [k + 1 if uneven else 2 for k in range(n)]
+    inputs = [make(k, (rows[k], 3), dtype_name, 3) for k in range(n)]
+    odt = dtype(out_dtype_name) if out_dtype_name else None
+    out = hvd.allgather(inputs[r], output_dtype=odt, name=f"ag.{dtype_name}.{out_dtype_name}.{uneven}")
+    ref = torch.cat(inputs)
+    if odt is not None:
+        ref = ref.to(odt)  # our copy-in cast must round exactly like torch
+    assert out.shape == (sum(rows), 3)
+    assert torch.equal(out, ref), (out, ref)
+
+
+@pytest.mark.parametrize("dtype_name", DTYPES)
+@pytest.mark.parametrize("uneven", [False, True], ids=["even", "uneven"])
+def test_allgather(ranks_fusion, dtype_name, uneven):
+    ranks_fusion.run(_allgather, dtype_name, None, uneven)
+
+
+@pytest.mark.parametrize("out_dtype_name", ["bfloat16", "float16"])
+@pytest.mark.parametrize("uneven", [False, True], ids=["even", "uneven"])
+def test_allgather_output_dtype_casts_on_the_way_in(ranks_fusion, out_dtype_name, uneven):
+    ranks_fusion.run(_allgather, "float32", out_dtype_name, uneven)
+
+
+def _allgather_wire_dtype():
+    hvd.collective_stats(reset=True)
+    hvd.allgather(torch.ones(1024), output_dtype=torch.bfloat16, name="wire")
+    stats = hvd.collective_stats()
+    assert [(s["op"], s["dtype"]) for s in stats] == [("allgather", "bfloat16")], stats
+    return stats[0]["bytes"]
+
+
+def test_allgather_output_dtype_is_the_wire_dtype(ranks):
+    for b in ranks.run(_allgather_wire_dtype):
+        assert b == 2 * 1024 * ranks.size  # bf16 bytes, not fp32
+
+
+def _reducescatter(dtype_name, op_name, dim0):
+    n, r = hvd.size(), hvd.rank()
+    inputs = [make(k, (dim0, 2), dtype_name, 4) for k in range(n)]
+    out = hvd.reducescatter(inputs[r], op=getattr(hvd, op_name), name=f"rs.{dtype_name}.{op_name}.{dim0}")
+    _assert_close(out, scatter_slice(reduce_ref(inputs, op_name), n, r).to(out.dtype), dtype_name)
+
+
+@pytest.mark.parametrize("dtype_name", DTYPES)
+@pytest.mark.parametrize("op_name", OPS)
+def test_reducescatter_uneven(ranks_fusion, dtype_name, op_name):
+    if op_name == "Average" and not dtype(dtype_name).is_floating_point:
+        pytest.skip("Average is refused for integer tensors")
+    ranks_fusion.run(_reducescatter, dtype_name, op_name, 7)
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16", "int64"])
+def test_reducescatter_even(ranks_fusion, dtype_name):
+    ranks_fusion.run(_reducescatter, dtype_name, "Sum", 6 * 4)
+
+
+def _broadcast(dtype_name, root):
+    n, r = hvd.size(), hvd.rank()
+    root = root % n
+    inputs = [make(k, (3, 4), dtype_name, 5) for k in range(n)]
+    out = hvd.broadcast(inputs[r], root, name=f"bc.{dtype_name}.{root}")
+    assert torch.equal(out, inputs[root])
+    mine = inputs[r].clone()
+    hvd.broadcast_(mine, root, name=f"bc_.{dtype_name}.{root}")
+    assert torch.equal(mine, inputs[root])
+
+
+@pytest.mark.parametrize("dtype_name", DTYPES)
+@pytest.mark.parametrize("root", [0, -1], ids=["root0", "rootlast"])
+def test_broadcast(ranks_fusion, dtype_name, root):
+    ranks_fusion.run(_broadcast, dtype_name, root)
+
+
+def _grouped():
+    n, r = hvd.size(), hvd.rank()
+    shapes = [(3,), (2, 5), (7, 2)]
+    ins = [[make(k, s, "float32", 6 + i) for i, s in enumerate(shapes)] for k in range(n)]
+    outs = hvd.grouped_allreduce(ins[r], op=hvd.Sum, name="g_ar")
+    for i, o in enumerate(outs):
+        torch.testing.assert_close(o.double(), reduce_ref([ins[k][i] for k in range(n)], "Sum"))
+    gathered = hvd.grouped_allgather(ins[r], name="g_ag")
+    for i, o in enumerate(gathered):
+        assert torch.equal(o, torch.cat([ins[k][i] for k in range(n)]))
+    scattered = hvd.grouped_reducescatter(ins[r], op=hvd.Average, name="g_rs")
+    for i, o in enumerate(scattered):
+        ref = scatter_slice(reduce_ref([ins[k][i] for k in range(n)], "Average"), n, r)
+        torch.testing.assert_close(o.double(), ref, rtol=1e-5, atol=1e-6)
+    inplace = [t.clone() for t in ins[r]]
+    hvd.grouped_allreduce_(inplace, op=hvd.Max, name="g_ar_")
+    for i, o in enumerate(inplace):
+        torch.testing.assert_close(o.double(), reduce_ref([ins[k][i] for k in range(n)], "Max"))
+
+
+def test_grouped_ops(ranks_fusion):
+    ranks_fusion.run(_grouped)
+
+
+def _async_and_poll():
+    r = hvd.rank()
+    hs = [hvd.allreduce_async(torch.full((3,), float(r + i)), op=hvd.Sum, name=f"async.{i}") for i in range(20)]
+    outs = [hvd.synchronize(h) for h in hs]
+    n = hvd.size()
+    for i, o in enumerate(outs):
+        assert torch.equal(o, torch.full((3,), float(sum(k + i for k in range(n)))))
+    h = hvd.allgather_async(torch.ones(2), name="polled")
+    while not hvd.poll(h):
+        pass
+    assert hvd.synchronize(h).shape == (2 * n,)
+
+
+def test_async_handles_and_poll(ranks):
+    ranks.run(_async_and_poll)
+
+
+def _params_and_objects():
+    r = hvd.rank()
+    torch.manual_seed(100 + r)  # every rank starts different
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    torch.manual_seed(100)
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    for a, b in zip(model.state_dict().values(), ref.state_dict().values()):
+        assert torch.equal(a, b)
+    obj = hvd.broadcast_object({"epoch": 7, "rank": r, "blob": list(range(r * 10))}, root_rank=hvd.size() - 1)
+    assert obj == {"epoch": 7, "rank": hvd.size() - 1, "blob": list(range((hvd.size() - 1) * 10))}
+    hvd.barrier()
+
+
+def test_broadcast_parameters_and_object(ranks):
+    ranks.run(_params_and_objects)
+
+
+def _world_info():
+    return (hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size(),
+            str(hvd.device()), hvd.is_initialized())
+
+
+def test_world_info(ranks):
+    infos = ranks.run(_world_info)
+    n = ranks.size
+    assert infos == [(k, n, k, n, 0, 1, "cpu", True) for k in range(n)]

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Sets up (examples/setup.sh), then runs the C++ tests (CTest) and the Python tests
+# (pytest; the GPU tests skip themselves without CUDA GPUs). Fails if any test fails.
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PYTHON=$(bash "$ROOT/examples/setup.sh" | tail -n 1)
+VENV_BIN=$(dirname "$PYTHON")
+export PATH="$VENV_BIN:$PATH" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+
+echo "== C++ tests (ctest)"
+(cd "$ROOT/build/cmake" && ctest --output-on-failure -j "$(nproc)")
+
+echo "== Python tests (pytest)"
+cd "$ROOT/test"
+"$PYTHON" -m pytest -q -ra python gpu "$@"
