@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# On a GPU machine with torch installed (no network needed): build horovod_zero
+# from source, run the GPU tests, then the collective benchmark on every GPU.
+# Logs go to $OUT when it is set (the device tool's output folder).
+set -uo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+OUT=${OUT:-/tmp/hvdz_out}; mkdir -p "$OUT"
+cd "$ROOT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+# Build with the compiler whose libstdc++ the process loads at run time: an
+# image's newer CXX (seen: /opt/gcc) emits code for a newer libstdc++ than the
+# system one python and torch use, and iostreams then crash inside the module.
+if [ -x /usr/bin/g++ ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++; fi
+GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -2
+t0=$(date +%s)
+HVDZ_CMAKE_ARGS="-DHVDZ_BUILD_TESTS=OFF -DHVDZ_CUDA=ON" HVDZ_BUILD_JOBS=$(nproc) \
+  rm -rf build/cmake; python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+echo "build: $(( $(date +%s) - t0 )) s"
+rc=0
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  (cd test && timeout 400 python3 -m pytest -q -ra gpu ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15) || rc=1
+fi
+if [ "${BENCH:-1}" = 1 ]; then
+  port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  HOROVOD_FUSION_THRESHOLD=${HOROVOD_FUSION_THRESHOLD:-2147483648} timeout 300 \
+    python3 -m torch.distributed.run --nproc_per_node="$GPUS" --master_port="$port" \
+    examples/bench_collectives.py ${BENCH_ARGS:-} 2>&1 | grep -v "^W1\|OMP_NUM" | tee "$OUT/bench.log" | tail -12
+fi
+exit $rc
