@@ -8,6 +8,7 @@
 
 #include "common/params.h"
 #include "fusion/cpu_cast.h"
+#include "negotiation/shm_control_plane.h"
 #include "runtime/runtime.h"
 #include "transport/gloo/gloo_transport.h"
 #include "cuda_stream.h"
@@ -116,12 +117,25 @@ Status Validate(const OpArgs& a, const std::string& name, DataType dt, DataType 
 
 class PyRuntime {
  public:
-  PyRuntime(GlooBackend backend, int rank, int size, int local_rank, int local_size, int cross_rank, int cross_size) {
+  // `shm_name` non-empty: every rank is on this host, negotiate through shared memory.
+  PyRuntime(GlooBackend backend, int rank, int size, int local_rank, int local_size, int cross_rank, int cross_size,
+            const std::string& shm_name) {
     std::string warnings;
     Params p = Params::FromEnvironment(&warnings);
     WorldInfo w{rank, size, local_rank, local_size, cross_rank, cross_size};
-    rt_ = std::make_unique<Runtime>(w, p, MakeGlooControlPlane(backend, p.transport_timeout_seconds),
-                                    MakeGlooCommunicator(backend, p.transport_timeout_seconds),
+    std::unique_ptr<ControlPlane> control;
+    if (!shm_name.empty()) {
+      std::unique_ptr<ShmControlPlane> shm;
+      Status s;
+      {
+        py::gil_scoped_release nogil;  // waits for the other ranks to attach
+        s = ShmControlPlane::Create(shm_name, rank, size, p.transport_timeout_seconds, &shm);
+      }
+      if (s.ok()) control = std::move(shm);
+      else warnings += "Negotiating over Gloo instead of shared memory: " + s.reason() + " ";
+    }
+    if (!control) control = MakeGlooControlPlane(backend, p.transport_timeout_seconds);
+    rt_ = std::make_unique<Runtime>(w, p, std::move(control), MakeGlooCommunicator(backend, p.transport_timeout_seconds),
                                     std::make_unique<TorchAllocator>());
     if (!warnings.empty()) HVDZ_LOG(rt_->logger(), kWarning) << warnings;
     ThrowIfError(rt_->Start());
@@ -250,6 +264,7 @@ class PyRuntime {
     d["gloo_timeout_seconds"] = p.transport_timeout_seconds;
     d["cuda"] = rt_->has_cuda();
     d["slow_path_cycles"] = rt_->slow_path_cycles();
+    d["control_plane"] = rt_->control_plane_kind();
     return d;
   }
 
@@ -284,9 +299,9 @@ PYBIND11_MODULE(_core, m) {
            py::arg("output_dtype"));
 
   py::class_<PyRuntime>(m, "Runtime")
-      .def(py::init<GlooBackend, int, int, int, int, int, int>(), py::arg("backend"), py::arg("rank"),
-           py::arg("size"), py::arg("local_rank"), py::arg("local_size"), py::arg("cross_rank"),
-           py::arg("cross_size"))
+      .def(py::init<GlooBackend, int, int, int, int, int, int, const std::string&>(), py::arg("backend"),
+           py::arg("rank"), py::arg("size"), py::arg("local_rank"), py::arg("local_size"), py::arg("cross_rank"),
+           py::arg("cross_size"), py::arg("shm_name") = "")
       .def("enqueue", &PyRuntime::Enqueue)
       .def("wait", &PyRuntime::Wait)
       .def("poll", &PyRuntime::Poll)

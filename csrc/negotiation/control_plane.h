@@ -21,6 +21,7 @@ class ControlPlane {
                          std::vector<std::vector<uint8_t>>* at_root) = 0;
   // Rank 0's `buf` (any length) replaces everyone's.
   virtual Status Broadcast(std::vector<uint8_t>* buf) = 0;
+  virtual const char* kind() const = 0;
 };
 
 }  // namespace hvdz

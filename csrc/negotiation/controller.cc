@@ -116,6 +116,7 @@ Status Controller::SlowPath(std::vector<Response>* out) {
   ++slow_path_cycles_;
   std::vector<uint8_t> payload;
   SerializeRequests(unsent_, &payload);
+  for (const auto& r : unsent_) awaiting_.insert(r.name);
   unsent_.clear();
   std::vector<std::vector<uint8_t>> gathered;
   HVDZ_RETURN_IF_ERROR(cp_.Gatherv(payload, &gathered));
@@ -140,6 +141,7 @@ Status Controller::SlowPath(std::vector<Response>* out) {
 
 void Controller::Admit(const std::vector<Response>& fresh) {
   for (const auto& resp : fresh) {
+    awaiting_.erase(resp.name);
     if (resp.ok()) {
       std::vector<uint32_t> evicted;
       cache_.Put(resp, &evicted);

@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <map>
+#include <unordered_set>
 #include <vector>
 
 #include "common/logging.h"
@@ -38,6 +39,9 @@ class Controller {
   Controller(ControlPlane& cp, const Params& params, const Logger& log);
   Status RunCycle(const std::vector<Request>& new_requests, bool want_shutdown, CycleResult* out);
 
+  // Whether this rank has submitted tensors that are not ready yet, i.e. it is
+  // waiting on other ranks and should cycle again soon.
+  bool HasPending() const { return !pending_hits_.empty() || !unsent_.empty() || !awaiting_.empty(); }
   const ResponseCache& cache() const { return cache_; }
   uint64_t slow_path_cycles() const { return slow_path_cycles_; }
 
@@ -69,6 +73,7 @@ class Controller {
   size_t words_;
   std::vector<Request> unsent_;
   std::map<uint32_t, Request> pending_hits_;  // position -> request waiting on other ranks
+  std::unordered_set<std::string> awaiting_;  // sent to the coordinator, not answered yet
   std::vector<uint64_t> my_invalid_;
   std::vector<Response> stall_errors_;  // rank 0: announced in the next slow path
   uint64_t slow_path_cycles_ = 0;

@@ -1,13 +1,10 @@
 #include "ops/executor.h"
 
 namespace hvdz {
-namespace {
 
 char* At(void* base, int64_t elems, DataType t) {
   return static_cast<char*>(base) + elems * static_cast<int64_t>(DataTypeSize(t));
 }
-
-}  // namespace
 
 void Executor::Mark(Plan& p, const char* phase, Clock::time_point start) {
   if (!timeline_.enabled()) return;
@@ -37,58 +34,28 @@ Status Executor::AllocateOutputs(Plan& p) {
 
 Status Executor::Allreduce(DeviceContext& ctx, Plan& p) {
   const Response& r = *p.group.front();
+  const bool single = p.entries.size() == 1;
+  auto& e = p.entries[0];
+  if (!single || e.input.data != e.output.data || r.prescale != 1.0) return FusedFlat(ctx, p, true);
+  // A lone in-place tensor is reduced where it is.
   auto t0 = Clock::now();
-  if (p.entries.size() == 1) {
-    auto& e = p.entries[0];
-    if (e.input.data != e.output.data || r.prescale != 1.0)
-      HVDZ_RETURN_IF_ERROR(ctx.Copy({{e.input.data, e.output.data, e.input.numel()}}, r.dtype, r.out_dtype, r.prescale));
-    Mark(p, "COPY_IN", t0);
-    t0 = Clock::now();
-    HVDZ_RETURN_IF_ERROR(ctx.comm().Allreduce(e.output.data, e.output.numel(), r.out_dtype, p.op));
-    Count(p, e.output.numel());
-    Mark(p, "COLLECTIVE", t0);
-    t0 = Clock::now();
-    if (p.postscale != 1.0)
-      HVDZ_RETURN_IF_ERROR(ctx.Copy({{e.output.data, e.output.data, e.output.numel()}}, r.out_dtype, r.out_dtype, p.postscale));
-    Mark(p, "COPY_OUT", t0);
-    return Status::OK();
-  }
-  FusionLayout L = ComputeLayout(p.group, size_);
-  void* buf = nullptr;
-  HVDZ_RETURN_IF_ERROR(ctx.FusionBuffer(L.total_elems * DataTypeSize(r.out_dtype), &buf));
-  std::vector<CopyDesc> in, out;
-  for (size_t i = 0; i < p.entries.size(); ++i) {
-    char* slot = At(buf, L.offset[i][0], r.out_dtype);
-    in.push_back({p.entries[i].input.data, slot, L.count[i][0]});
-    out.push_back({slot, p.entries[i].output.data, L.count[i][0]});
-  }
-  HVDZ_RETURN_IF_ERROR(ctx.Copy(in, r.dtype, r.out_dtype, r.prescale));
-  Mark(p, "COPY_IN", t0);
-  t0 = Clock::now();
-  HVDZ_RETURN_IF_ERROR(ctx.comm().Allreduce(buf, L.total_elems, r.out_dtype, p.op));
-  Count(p, L.total_elems);
+  HVDZ_RETURN_IF_ERROR(ctx.comm().Allreduce(e.output.data, e.output.numel(), r.out_dtype, p.op));
+  Count(p, e.output.numel());
   Mark(p, "COLLECTIVE", t0);
-  t0 = Clock::now();
-  HVDZ_RETURN_IF_ERROR(ctx.Copy(out, r.out_dtype, r.out_dtype, p.postscale));
-  Mark(p, "COPY_OUT", t0);
+  if (p.postscale != 1.0) {
+    t0 = Clock::now();
+    HVDZ_RETURN_IF_ERROR(ctx.Copy({{e.output.data, e.output.data, e.output.numel()}}, r.out_dtype, r.out_dtype, p.postscale));
+    Mark(p, "COPY_OUT", t0);
+  }
   return Status::OK();
 }
 
-Status Executor::Broadcast(DeviceContext& ctx, Plan& p) {
+Status Executor::Broadcast(DeviceContext& ctx, Plan& p) { return FusedFlat(ctx, p, rank_ == p.group.front()->root); }
+
+Status Executor::FusedFlat(DeviceContext& ctx, Plan& p, bool copy_in) {
   const Response& r = *p.group.front();
-  const bool root = rank_ == r.root;
+  const bool reduces = r.op == OpType::kAllreduce;
   auto t0 = Clock::now();
-  if (p.entries.size() == 1) {
-    auto& e = p.entries[0];
-    if (root && e.input.data != e.output.data)
-      HVDZ_RETURN_IF_ERROR(ctx.Copy({{e.input.data, e.output.data, e.input.numel()}}, r.dtype, r.out_dtype, 1.0));
-    Mark(p, "COPY_IN", t0);
-    t0 = Clock::now();
-    HVDZ_RETURN_IF_ERROR(ctx.comm().Broadcast(e.output.data, e.output.numel(), r.out_dtype, r.root));
-    Count(p, e.output.numel());
-    Mark(p, "COLLECTIVE", t0);
-    return Status::OK();
-  }
   FusionLayout L = ComputeLayout(p.group, size_);
   void* buf = nullptr;
   HVDZ_RETURN_IF_ERROR(ctx.FusionBuffer(L.total_elems * DataTypeSize(r.out_dtype), &buf));
@@ -98,14 +65,15 @@ Status Executor::Broadcast(DeviceContext& ctx, Plan& p) {
     in.push_back({p.entries[i].input.data, slot, L.count[i][0]});
     out.push_back({slot, p.entries[i].output.data, L.count[i][0]});
   }
-  if (root) HVDZ_RETURN_IF_ERROR(ctx.Copy(in, r.dtype, r.out_dtype, 1.0));
+  if (copy_in) HVDZ_RETURN_IF_ERROR(ctx.Copy(in, r.dtype, r.out_dtype, reduces ? r.prescale : 1.0));
   Mark(p, "COPY_IN", t0);
   t0 = Clock::now();
-  HVDZ_RETURN_IF_ERROR(ctx.comm().Broadcast(buf, L.total_elems, r.out_dtype, r.root));
+  HVDZ_RETURN_IF_ERROR(reduces ? ctx.comm().Allreduce(buf, L.total_elems, r.out_dtype, p.op)
+                               : ctx.comm().Broadcast(buf, L.total_elems, r.out_dtype, r.root));
   Count(p, L.total_elems);
   Mark(p, "COLLECTIVE", t0);
   t0 = Clock::now();
-  HVDZ_RETURN_IF_ERROR(ctx.Copy(out, r.out_dtype, r.out_dtype, 1.0));
+  HVDZ_RETURN_IF_ERROR(ctx.Copy(out, r.out_dtype, r.out_dtype, reduces ? p.postscale : 1.0));
   Mark(p, "COPY_OUT", t0);
   return Status::OK();
 }
@@ -198,6 +166,7 @@ Status Executor::Reducescatter(DeviceContext& ctx, Plan& p) {
 Status Executor::Run(DeviceContext& ctx, Plan& p) {
   HVDZ_RETURN_IF_ERROR(AllocateOutputs(p));
   HVDZ_RETURN_IF_ERROR(ctx.WaitForInputs(p.entries));
+  if (UseDirect(ctx, p)) return RunDirect(ctx, p);
   switch (p.group.front()->op) {
     case OpType::kAllreduce: return Allreduce(ctx, p);
     case OpType::kAllgather: return Allgather(ctx, p);

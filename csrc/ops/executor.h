@@ -11,6 +11,9 @@
 
 namespace hvdz {
 
+// Address of element `elems` of a buffer of dtype `t`.
+char* At(void* base, int64_t elems, DataType t);
+
 class Executor {
  public:
   Executor(int rank, int size, Timeline& timeline, Counters& counters)
@@ -32,6 +35,12 @@ class Executor {
   Status Allgather(DeviceContext& ctx, Plan& p);
   Status Reducescatter(DeviceContext& ctx, Plan& p);
   Status Broadcast(DeviceContext& ctx, Plan& p);
+  // Allreduce and broadcast through the buffer, tensors one after another.
+  Status FusedFlat(DeviceContext& ctx, Plan& p, bool copy_in);
+  // executor_direct.cc: large tensors in place, one grouped communicator launch.
+  bool UseDirect(DeviceContext& ctx, const Plan& p) const;
+  Status RunDirect(DeviceContext& ctx, Plan& p);
+  Status Grouped(DeviceContext& ctx, Plan& p, const std::vector<const void*>& send);
   Status AllocateOutputs(Plan& p);
   void Mark(Plan& p, const char* phase, Clock::time_point start);
   void Count(const Plan& p, int64_t elems);

@@ -162,11 +162,18 @@ class CudaSupport : public GpuSupport {
  public:
   CudaSupport(const Params& p, const Logger& log) : params_(p), log_(log) {}
 
+  ~CudaSupport() override {
+    for (auto ev : free_events_) cudaEventDestroy(ev);
+  }
+
   Status RecordReadyEvent(int device, void* stream, std::shared_ptr<void>* event) override {
     DeviceGuard g(device);
-    cudaEvent_t ev;
-    HVDZ_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate"));
-    std::shared_ptr<void> holder(ev, [](void* e) { cudaEventDestroy(static_cast<cudaEvent_t>(e)); });
+    cudaEvent_t ev = TakeEvent();
+    if (ev == nullptr)
+      HVDZ_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate"));
+    // Back to the pool when the last entry using it is done: creating an event
+    // per enqueue would cost microseconds on the framework thread.
+    std::shared_ptr<void> holder(ev, [this](void* e) { ReturnEvent(static_cast<cudaEvent_t>(e)); });
     HVDZ_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(ev, static_cast<cudaStream_t>(stream)), "cudaEventRecord"));
     *event = std::move(holder);
     return Status::OK();
@@ -180,8 +187,22 @@ class CudaSupport : public GpuSupport {
   }
 
  private:
+  cudaEvent_t TakeEvent() {
+    std::lock_guard<std::mutex> lk(pool_mu_);
+    if (free_events_.empty()) return nullptr;
+    cudaEvent_t ev = free_events_.back();
+    free_events_.pop_back();
+    return ev;
+  }
+  void ReturnEvent(cudaEvent_t ev) {
+    std::lock_guard<std::mutex> lk(pool_mu_);
+    free_events_.push_back(ev);
+  }
+
   Params params_;
   const Logger& log_;
+  std::mutex pool_mu_;
+  std::vector<cudaEvent_t> free_events_;  // one device per process, so one pool
 };
 
 }  // namespace

@@ -31,6 +31,7 @@ Status Runtime::Start() {
 
 void Runtime::Shutdown() {
   shutdown_requested_ = true;
+  queue_.Wake();
   if (thread_.joinable()) thread_.join();
   cuda_ctx_.clear();  // drains in-flight CUDA work before the communicators go
   timeline_.Close();
@@ -151,8 +152,14 @@ void Runtime::Loop() {
     }
     Execute(result.responses);
     if (result.shutdown) break;
-    auto next = start + std::chrono::duration_cast<Clock::duration>(period);
-    std::this_thread::sleep_until(next);
+    // Idle ranks cycle every HOROVOD_CYCLE_TIME. New work starts a cycle at once,
+    // and a rank whose tensors wait on other ranks cycles again within 50 us:
+    // those ranks are about to meet it in the next exchange, and sleeping out the
+    // period would add it to every collective's latency.
+    auto wait = controller_.HasPending() ? std::min<Clock::duration>(std::chrono::microseconds(50),
+                                                                     std::chrono::duration_cast<Clock::duration>(period))
+                                         : std::chrono::duration_cast<Clock::duration>(period);
+    queue_.WaitForWork(start + wait);
   }
   queue_.Close(stopped);
 }

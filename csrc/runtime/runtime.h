@@ -54,6 +54,7 @@ class Runtime {
   Counters& counters() { return counters_; }
   bool has_cuda() const { return gpu_ != nullptr; }
   uint64_t slow_path_cycles() const { return controller_.slow_path_cycles(); }
+  const char* control_plane_kind() const { return control_->kind(); }
 
  private:
   void Loop();

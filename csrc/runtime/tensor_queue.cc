@@ -21,7 +21,22 @@ Status TensorQueue::Add(std::vector<TensorEntry> entries) {
     std::string name = e.request.name;
     table_.emplace(std::move(name), std::move(e));
   }
+  cv_.notify_one();
   return Status::OK();
+}
+
+void TensorQueue::WaitForWork(Clock::time_point deadline) {
+  std::unique_lock<std::mutex> lk(mu_);
+  cv_.wait_until(lk, deadline, [&] { return woken_ || !new_requests_.empty(); });
+  woken_ = false;
+}
+
+void TensorQueue::Wake() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    woken_ = true;
+  }
+  cv_.notify_one();
 }
 
 std::vector<Request> TensorQueue::PopNewRequests() {
@@ -38,12 +53,6 @@ bool TensorQueue::Take(const std::string& name, TensorEntry* out) {
   *out = std::move(it->second);
   table_.erase(it);
   return true;
-}
-
-Clock::time_point TensorQueue::EnqueueTime(const std::string& name) {
-  std::lock_guard<std::mutex> lk(mu_);
-  auto it = table_.find(name);
-  return it == table_.end() ? Clock::now() : it->second.enqueued;
 }
 
 void TensorQueue::Close(const Status& s) {

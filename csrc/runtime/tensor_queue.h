@@ -2,6 +2,7 @@
 // cycle and takes the entries back when their responses arrive.
 #pragma once
 
+#include <condition_variable>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -20,10 +21,14 @@ class TensorQueue {
   bool Take(const std::string& name, TensorEntry* out);
   // Fails every entry with `s` and refuses later adds with it.
   void Close(const Status& s);
-  Clock::time_point EnqueueTime(const std::string& name);
+  // Sleeps until new requests arrive, Wake() is called, or `deadline` passes.
+  void WaitForWork(Clock::time_point deadline);
+  void Wake();
 
  private:
   std::mutex mu_;
+  std::condition_variable cv_;
+  bool woken_ = false;
   std::unordered_map<std::string, TensorEntry> table_;
   std::vector<Request> new_requests_;
   Status closed_;

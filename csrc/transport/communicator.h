@@ -20,6 +20,13 @@ class Communicator {
   virtual Status ReduceScatter(const void* in, void* out, int64_t count, DataType dtype,
                                ReduceOp op) = 0;
   virtual Status Broadcast(void* buf, int64_t count, DataType dtype, int root) = 0;
+
+  // A communicator that runs the calls issued between GroupStart and GroupEnd
+  // as one launch (NCCL) lets the executor hand it large tensors in place
+  // instead of copying them through a fusion buffer.
+  virtual bool SupportsGroups() const { return false; }
+  virtual Status GroupStart() { return Status::OK(); }
+  virtual Status GroupEnd() { return Status::OK(); }
 };
 
 }  // namespace hvdz

@@ -11,6 +11,7 @@ import datetime
 import os
 import socket
 import time
+import uuid
 import urllib.error
 import urllib.request
 
@@ -93,3 +94,13 @@ def make_gloo_backend(store, world: World, timeout_s: float):
         opts._devices = [dist.ProcessGroupGloo.create_device(interface=iface)]
         return dist.ProcessGroupGloo(store, world.rank, world.size, opts)
     return dist.ProcessGroupGloo(store, world.rank, world.size, timeout)
+
+
+def shm_control_name(store, world: World) -> str:
+    """The shared-memory segment ranks negotiate through when they all share this
+    host (HOROVOD_ZERO_SHM_CONTROL=0 turns it off); "" means negotiate over Gloo."""
+    if world.size == 1 or world.local_size != world.size or os.environ.get("HOROVOD_ZERO_SHM_CONTROL", "1") == "0":
+        return ""
+    if world.rank == 0:
+        store.set("shm_control", f"/hvdz_{os.getpid()}_{uuid.uuid4().hex[:12]}")
+    return store.get("shm_control").decode()

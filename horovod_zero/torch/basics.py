@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from horovod_zero.runner.rendezvous import make_gloo_backend, make_store
+from horovod_zero.runner.rendezvous import make_gloo_backend, make_store, shm_control_name
 from horovod_zero.runner.world import World, detect_world
 
 try:
@@ -48,7 +48,8 @@ def init():
         store = make_store(world, _state.generation, timeout)
         backend = make_gloo_backend(store, world, timeout)
         runtime = _core.Runtime(
-            backend, world.rank, world.size, world.local_rank, world.local_size, world.cross_rank, world.cross_size
+            backend, world.rank, world.size, world.local_rank, world.local_size, world.cross_rank, world.cross_size,
+            shm_control_name(store, world),
         )
         _state.world, _state.store, _state.backend, _state.runtime = world, store, backend, runtime
         _state.generation += 1

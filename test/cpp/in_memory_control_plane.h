@@ -39,6 +39,7 @@ class InMemoryControlPlane : public ControlPlane {
   Status Allgather(const std::vector<uint8_t>& mine, std::vector<uint8_t>* all) override;
   Status Gatherv(const std::vector<uint8_t>& mine, std::vector<std::vector<uint8_t>>* at_root) override;
   Status Broadcast(std::vector<uint8_t>* buf) override;
+  const char* kind() const override { return "memory"; }
   int exchanges() const { return exchanges_; }
 
  private:

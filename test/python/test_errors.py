@@ -41,7 +41,10 @@ def _bad_input():
             msgs[key] = None
         except (ValueError, TypeError) as e:
             msgs[key] = str(e)
-    # The same name twice in flight: the second submission is refused, the first completes.
+    # The same name twice in flight: the second submission is refused, the first
+    # completes. Rank 1 submits late, so rank 0's first one is surely still in flight.
+    if hvd.rank() == 1:
+        time.sleep(0.3)
     h = hvd.allreduce_async(torch.ones(2), name="twice")
     try:
         hvd.allreduce_async(torch.ones(2), name="twice")

@@ -62,6 +62,7 @@ class GlooControlPlane : public ControlPlane, Base {
   using Base::Base;
   int rank() const override { return b_->getRank(); }
   int size() const override { return b_->getSize(); }
+  const char* kind() const override { return "gloo"; }
 
   Status Allgather(const std::vector<uint8_t>& mine, std::vector<uint8_t>* all) override {
     all->assign(mine.size() * size(), 0);

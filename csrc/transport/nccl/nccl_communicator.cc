@@ -103,4 +103,8 @@ Status NcclCommunicator::Broadcast(void* buf, int64_t count, DataType dtype, int
   return NcclStatus(ncclBroadcast(buf, buf, count, ToNccl(dtype), root, comm_, stream_), "ncclBroadcast");
 }
 
+Status NcclCommunicator::GroupStart() { return NcclStatus(ncclGroupStart(), "ncclGroupStart"); }
+
+Status NcclCommunicator::GroupEnd() { return NcclStatus(ncclGroupEnd(), "ncclGroupEnd"); }
+
 }  // namespace hvdz

@@ -28,6 +28,9 @@ class NcclCommunicator : public Communicator {
   Status Allgather(const void* in, void* out, int64_t count, DataType dtype) override;
   Status ReduceScatter(const void* in, void* out, int64_t count, DataType dtype, ReduceOp op) override;
   Status Broadcast(void* buf, int64_t count, DataType dtype, int root) override;
+  bool SupportsGroups() const override { return true; }
+  Status GroupStart() override;
+  Status GroupEnd() override;
 
  private:
   NcclCommunicator(int device, ncclComm_t comm, cudaStream_t stream)

@@ -1,0 +1,158 @@
+#include "negotiation/shm_control_plane.h"
+
+#include <fcntl.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <sstream>
+#include <thread>
+
+namespace hvdz {
+namespace {
+
+constexpr size_t kLine = 64;  // one sequence counter per cache line
+// A slot: total payload length, this round's chunk length, the chunk.
+constexpr size_t kSlotHeader = 16;
+constexpr size_t kSlotStride = kSlotHeader + ShmControlPlane::kSlotBytes;
+
+size_t SegmentBytes(int size) { return kLine * size + 2 * kSlotStride * size; }
+
+using SteadyClock = std::chrono::steady_clock;
+
+}  // namespace
+
+ShmControlPlane::ShmControlPlane(int rank, int size, double timeout_s, void* base, size_t bytes)
+    : rank_(rank), size_(size), timeout_s_(timeout_s), base_(base), bytes_(bytes) {}
+
+ShmControlPlane::~ShmControlPlane() { munmap(base_, bytes_); }
+
+std::atomic<uint64_t>& ShmControlPlane::Seq(int r) {
+  return *reinterpret_cast<std::atomic<uint64_t>*>(static_cast<char*>(base_) + kLine * r);
+}
+
+uint8_t* ShmControlPlane::Slot(int parity, int r) {
+  return static_cast<uint8_t*>(base_) + kLine * size_ + (parity * size_ + r) * kSlotStride;
+}
+
+Status ShmControlPlane::Create(const std::string& name, int rank, int size, double timeout_s,
+                               std::unique_ptr<ShmControlPlane>* out) {
+  static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared atomics must be lock-free");
+  const size_t bytes = SegmentBytes(size);
+  const auto deadline = SteadyClock::now() + std::chrono::duration<double>(timeout_s);
+  int fd = -1;
+  if (rank == 0) {
+    fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd >= 0 && ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+      close(fd);
+      shm_unlink(name.c_str());
+      fd = -1;
+    }
+  } else {
+    // Wait for rank 0 to create it at full size.
+    while (true) {
+      fd = shm_open(name.c_str(), O_RDWR, 0600);
+      struct stat st;
+      if (fd >= 0 && fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) >= bytes) break;
+      if (fd >= 0) close(fd);
+      fd = -1;
+      if (SteadyClock::now() > deadline) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+  if (fd < 0) return Status::Error("Cannot open shared memory '" + name + "' for negotiation: " + std::strerror(errno));
+  void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (base == MAP_FAILED) return Status::Error(std::string("mmap of the negotiation segment failed: ") + std::strerror(errno));
+  out->reset(new ShmControlPlane(rank, size, timeout_s, base, bytes));
+  // Everyone attached: the name can go, so nothing is left behind if a rank dies.
+  Status s = (*out)->Arrive();
+  if (rank == 0) shm_unlink(name.c_str());
+  return s;
+}
+
+Status ShmControlPlane::Arrive() {
+  const uint64_t target = ++round_;
+  Seq(rank_).store(target, std::memory_order_release);
+  const auto start = SteadyClock::now();
+  for (uint64_t spins = 0;; ++spins) {
+    bool all = true;
+    for (int r = 0; r < size_ && all; ++r) all = Seq(r).load(std::memory_order_acquire) >= target;
+    if (all) return Status::OK();
+    // Spin briefly (a peer is usually microseconds away), then yield, then sleep,
+    // so a rank waiting out a peer's long compute does not burn a core.
+    if (spins < 2000) continue;
+    if (spins < 4000) {
+      sched_yield();
+      continue;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+    if (spins % 64 == 0 && std::chrono::duration<double>(SteadyClock::now() - start).count() > timeout_s_) {
+      std::ostringstream os;
+      os << "ranks [";
+      const char* sep = "";
+      for (int r = 0; r < size_; ++r)
+        if (Seq(r).load(std::memory_order_acquire) < target) {
+          os << sep << r;
+          sep = ", ";
+        }
+      os << "] did not reach negotiation round " << target << " within " << static_cast<int>(timeout_s_)
+         << " s (shared-memory control plane)";
+      return Status::Aborted(os.str());
+    }
+  }
+}
+
+Status ShmControlPlane::Exchange(const uint8_t* data, size_t n, std::vector<std::vector<uint8_t>>* all) {
+  all->assign(size_, {});
+  size_t offset = 0, longest = 0;
+  do {
+    uint8_t* slot = Slot(static_cast<int>(round_ % 2), rank_);
+    const uint64_t total = n, chunk = offset < n ? std::min(kSlotBytes, n - offset) : 0;
+    std::memcpy(slot, &total, 8);
+    std::memcpy(slot + 8, &chunk, 8);
+    if (chunk) std::memcpy(slot + kSlotHeader, data + offset, chunk);
+    const int parity = static_cast<int>(round_ % 2);
+    HVDZ_RETURN_IF_ERROR(Arrive());
+    for (int r = 0; r < size_; ++r) {
+      const uint8_t* s = Slot(parity, r);
+      uint64_t t, c;
+      std::memcpy(&t, s, 8);
+      std::memcpy(&c, s + 8, 8);
+      longest = std::max<size_t>(longest, t);
+      (*all)[r].insert((*all)[r].end(), s + kSlotHeader, s + kSlotHeader + c);
+    }
+    offset += kSlotBytes;
+  } while (offset < longest);
+  return Status::OK();
+}
+
+Status ShmControlPlane::Allgather(const std::vector<uint8_t>& mine, std::vector<uint8_t>* all) {
+  std::vector<std::vector<uint8_t>> parts;
+  HVDZ_RETURN_IF_ERROR(Exchange(mine.data(), mine.size(), &parts));
+  all->clear();
+  for (auto& p : parts) all->insert(all->end(), p.begin(), p.end());
+  return Status::OK();
+}
+
+Status ShmControlPlane::Gatherv(const std::vector<uint8_t>& mine, std::vector<std::vector<uint8_t>>* at_root) {
+  std::vector<std::vector<uint8_t>> parts;
+  HVDZ_RETURN_IF_ERROR(Exchange(mine.data(), mine.size(), &parts));
+  if (rank_ == 0) *at_root = std::move(parts);
+  return Status::OK();
+}
+
+Status ShmControlPlane::Broadcast(std::vector<uint8_t>* buf) {
+  std::vector<std::vector<uint8_t>> parts;
+  const bool root = rank_ == 0;
+  HVDZ_RETURN_IF_ERROR(Exchange(root ? buf->data() : nullptr, root ? buf->size() : 0, &parts));
+  *buf = std::move(parts[0]);
+  return Status::OK();
+}
+
+}  // namespace hvdz
