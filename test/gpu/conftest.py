@@ -14,6 +14,11 @@ def _gpus():
         return 0
 
 
+def pytest_sessionfinish(session, exitstatus):
+    from harness import close_shared_pools
+    close_shared_pools()
+
+
 def pytest_collection_modifyitems(config, items):
     if _gpus() >= 2:
         return

@@ -9,20 +9,10 @@ from refs import make, reduce_ref, scatter_slice, tol
 
 pytestmark = pytest.mark.gpu
 
-_pools = {}
-
-
 @pytest.fixture(params=[2], ids=["2gpus"])
 def gpus(request):
-    from harness import RankPool
-    if request.param not in _pools:
-        _pools[request.param] = RankPool(request.param)
-    yield _pools[request.param]
-
-
-def teardown_module(module):
-    for p in _pools.values():
-        p.close()
+    from harness import shared_pool
+    return shared_pool(request.param)
 
 
 def _close(out, ref, dtype_name):

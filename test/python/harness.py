@@ -138,3 +138,22 @@ def launch(fn, size, *args, env=None, timeout=120):
         if p.is_alive():
             p.kill()
     return out
+
+
+_shared = {}
+
+
+def shared_pool(size, fusion=True):
+    """A RankPool shared by every test that asks for the same configuration;
+    closed at exit."""
+    key = (size, fusion)
+    if key not in _shared:
+        env = {} if fusion else {"HOROVOD_FUSION_THRESHOLD": "0"}
+        _shared[key] = RankPool(size, env)
+    return _shared[key]
+
+
+def close_shared_pools():
+    for p in _shared.values():
+        p.close()
+    _shared.clear()

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 import horovod_zero.torch as hvd
-from conftest import pool
-from harness import launch
+from harness import launch, shared_pool as pool
 
 
 def test_ops_before_init_are_refused():

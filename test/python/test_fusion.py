@@ -3,7 +3,7 @@
 import torch
 
 import horovod_zero.torch as hvd
-from conftest import pool
+from harness import shared_pool as pool
 
 
 def _many_small(tag):
