@@ -118,7 +118,8 @@ def main():
     stats = hvd.collective_stats()
     if hvd.rank() == 0:
         print(f"== bench_collectives: {n} ranks, {torch.cuda.get_device_name()}, "
-              f"HOROVOD_FUSION_THRESHOLD={os.environ.get('HOROVOD_FUSION_THRESHOLD', 'default')}")
+              f"HOROVOD_FUSION_THRESHOLD={os.environ.get('HOROVOD_FUSION_THRESHOLD', 'default')}, "
+              f"HOROVOD_ZERO_DIRECT_MAX_TENSORS={os.environ.get('HOROVOD_ZERO_DIRECT_MAX_TENSORS', 'default')}")
         for line in out:
             print(line, flush=True)
     dist.destroy_process_group()

@@ -16,8 +16,8 @@ char* At(void* base, int64_t elems, DataType t);
 
 class Executor {
  public:
-  Executor(int rank, int size, Timeline& timeline, Counters& counters)
-      : rank_(rank), size_(size), timeline_(timeline), counters_(counters) {}
+  Executor(int rank, int size, int direct_max_tensors, Timeline& timeline, Counters& counters)
+      : rank_(rank), size_(size), direct_max_tensors_(direct_max_tensors), timeline_(timeline), counters_(counters) {}
 
   // `entries[i]` belongs to `group[i]`.
   void Execute(DeviceContext& ctx, const std::vector<const Response*>& group,
@@ -47,6 +47,7 @@ class Executor {
 
   int rank_;
   int size_;
+  int direct_max_tensors_;
   Timeline& timeline_;
   Counters& counters_;
 };

@@ -1,9 +1,10 @@
 // [Note: direct groups]
 // Copying a large tensor through the fusion buffer costs a full read and write of
-// it on each side of the collective; for the sizes ZeRO moves that is a third of
-// the collective's own time. When the communicator can launch many calls as one
-// (NCCL groups) and the tensors are large, each tensor gets its own call inside
-// one group, reading the input and writing the output where they are. Only a
+// it on each side of the collective. When the communicator can launch many calls
+// as one (NCCL groups) and a group has a few large tensors, each tensor gets its
+// own call inside one group, reading the input and writing the output where they
+// are. Groups of many tensors still use the buffer: each call in a group has a
+// cost of its own that outgrows the copies (HOROVOD_ZERO_DIRECT_MAX_TENSORS). Only a
 // cast or a prescale still needs a copy in (into the output's own slot for
 // allgather, so the gather runs in place), and a postscale one in-place pass.
 #include "ops/executor.h"
@@ -31,7 +32,11 @@ bool EvenSplit(const Response& r, int size) {
 }  // namespace
 
 bool Executor::UseDirect(DeviceContext& ctx, const Plan& p) const {
-  if (!ctx.comm().SupportsGroups() || p.entries.size() < 2) return false;
+  // Each call in a group costs ~20 us of NCCL's time (measured on 8 H200: 79
+  // calls added 1.4 ms), so many tensors go through the buffer, one collective.
+  if (!ctx.comm().SupportsGroups() || p.entries.size() < 2 ||
+      static_cast<int64_t>(p.entries.size()) > direct_max_tensors_)
+    return false;
   int64_t bytes = 0;
   for (size_t i = 0; i < p.entries.size(); ++i) {
     if (!EvenSplit(*p.group[i], size_)) return false;

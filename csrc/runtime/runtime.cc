@@ -16,7 +16,7 @@ Runtime::Runtime(const WorldInfo& world, const Params& params, std::unique_ptr<C
       alloc_(std::move(alloc)),
       gpu_(MakeGpuSupport(params_, logger_)),
       controller_(*control_, params_, logger_),
-      executor_(world.rank, world.size, timeline_, counters_),
+      executor_(world.rank, world.size, params.direct_max_tensors, timeline_, counters_),
       cpu_ctx_(*cpu_comm_, *alloc_) {}
 
 Runtime::~Runtime() { Shutdown(); }

@@ -27,6 +27,12 @@ if [ "${BENCH:-1}" = 1 ]; then
   HOROVOD_FUSION_THRESHOLD=${HOROVOD_FUSION_THRESHOLD:-2147483648} timeout 300 \
     python3 -m torch.distributed.run --nproc_per_node="$GPUS" --master_port="$port" \
     examples/bench_collectives.py ${BENCH_ARGS:-} 2>&1 | grep -v "^W1\|OMP_NUM" | tee "$OUT/bench.log" | tail -12
+  if [ -n "${BENCH_ALT_ENV:-}" ]; then  # the same benchmark once more under other settings, to compare
+    port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    env $BENCH_ALT_ENV HOROVOD_FUSION_THRESHOLD=${HOROVOD_FUSION_THRESHOLD:-2147483648} timeout 300 \
+      python3 -m torch.distributed.run --nproc_per_node="$GPUS" --master_port="$port" \
+      examples/bench_collectives.py ${BENCH_ARGS:-} 2>&1 | grep -v "^W1\|OMP_NUM" | tee "$OUT/bench_alt.log" | tail -6
+  fi
   port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   timeout 120 python3 -m torch.distributed.run --nproc_per_node="$GPUS" --master_port="$port" \
     examples/bench_latency.py 2>&1 | grep -v "^W1\|OMP_NUM" | tee "$OUT/latency.log" | tail -6

@@ -120,3 +120,27 @@ def _mixed_cycle():
 
 def test_cpu_and_cuda_ops_in_flight_together(gpus):
     assert gpus.run(_mixed_cycle) == [["cpu", "cuda"]] * gpus.size
+
+
+def _buffer_path_casts_and_scales():
+    n, r, dev = hvd.size(), hvd.rank(), hvd.device()
+    g = torch.Generator().manual_seed(11)
+    sizes = [int(x) for x in torch.randint(1, 300_000, (40,), generator=g)]  # odd sizes: vector bodies and tails
+    sizes = [s * n for s in sizes]
+    ins = [[make(k, (s,), "float32", 12 + i) for i, s in enumerate(sizes)] for k in range(n)]
+    gathered = hvd.grouped_allgather([t.to(dev) for t in ins[r]], output_dtype=torch.bfloat16, name="g.buf.ag")
+    for i, o in enumerate(gathered):
+        assert torch.equal(o.cpu(), torch.cat([ins[k][i] for k in range(n)]).to(torch.bfloat16))
+    scattered = hvd.grouped_reducescatter([t.to(dev) for t in ins[r]], op=hvd.Average, prescale_factor=0.5,
+                                          name="g.buf.rs")
+    for i, o in enumerate(scattered):
+        ref = scatter_slice(0.5 * reduce_ref([ins[k][i] for k in range(n)], "Average"), n, r)
+        torch.testing.assert_close(o.cpu().double(), ref, rtol=1e-5, atol=1e-6)
+    reduced = hvd.grouped_allreduce([t.to(dev) for t in ins[r]], op=hvd.Sum, postscale_factor=0.25, name="g.buf.ar")
+    for i, o in enumerate(reduced):
+        torch.testing.assert_close(o.cpu().double(), 0.25 * reduce_ref([ins[k][i] for k in range(n)], "Sum"),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_fusion_buffer_path_with_casts_scales_and_odd_sizes(gpus):
+    gpus.run(_buffer_path_casts_and_scales)
