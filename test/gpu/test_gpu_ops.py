@@ -144,3 +144,33 @@ def _buffer_path_casts_and_scales():
 
 def test_fusion_buffer_path_with_casts_scales_and_odd_sizes(gpus):
     gpus.run(_buffer_path_casts_and_scales)
+
+
+def _direct_groups():
+    n, r, dev = hvd.size(), hvd.rank(), hvd.device()
+    sizes = [(1 << 20) * n + 8 * n * i for i in range(5)]  # a few large tensors: one NCCL call each, in one group
+    ins = [[make(k, (s,), "float32", 20 + i) for i, s in enumerate(sizes)] for k in range(n)]
+    mine = [t.to(dev) for t in ins[r]]
+    hvd.collective_stats(reset=True)
+    for odt in (None, torch.bfloat16):
+        out = hvd.grouped_allgather(mine, output_dtype=odt, name=f"g.direct.ag.{odt}")
+        for i, o in enumerate(out):
+            ref = torch.cat([ins[k][i] for k in range(n)])
+            assert torch.equal(o.cpu(), ref if odt is None else ref.to(odt))
+    for pre in (1.0, 0.5):
+        out = hvd.grouped_reducescatter(mine, op=hvd.Average, prescale_factor=pre, name=f"g.direct.rs.{pre}")
+        for i, o in enumerate(out):
+            ref = scatter_slice(pre * reduce_ref([ins[k][i] for k in range(n)], "Average"), n, r)
+            torch.testing.assert_close(o.cpu().double(), ref, rtol=1e-5, atol=1e-6)
+    copies = [t.clone() for t in mine]
+    hvd.grouped_allreduce_(copies, op=hvd.Sum, postscale_factor=0.5, name="g.direct.ar")
+    for i, o in enumerate(copies):
+        torch.testing.assert_close(o.cpu().double(), 0.5 * reduce_ref([ins[k][i] for k in range(n)], "Sum"),
+                                   rtol=1e-5, atol=1e-5)
+    # Every group above was one grouped launch, not one collective per tensor.
+    return sorted((s["op"], s["collectives"], s["tensors"]) for s in hvd.collective_stats() if s["device"] == "cuda")
+
+
+def test_direct_nccl_groups_for_a_few_large_tensors(gpus):
+    for stats in gpus.run(_direct_groups):
+        assert stats == [("allgather", 1, 5), ("allgather", 1, 5), ("allreduce", 1, 5), ("reducescatter", 2, 10)], stats
