@@ -1,6 +1,7 @@
 """Collectives with Horovod's names and semantics: async ops return handles,
 synchronize() returns the output or raises."""
 
+import functools
 import itertools
 import threading
 from collections import defaultdict
@@ -57,8 +58,14 @@ def _check_tensors(tensors, what):
     return list(tensors)
 
 
+@functools.lru_cache(maxsize=256)
+def _op_args(op, reduce_op, prescale, postscale, root, output_dtype):
+    # Built once per distinct setting: constructing it costs as much as the rest of an enqueue.
+    return _core.OpArgs(op, reduce_op, prescale, postscale, root, output_dtype)
+
+
 def _enqueue(op, inputs, outputs, names, reduce_op=Sum, prescale=1.0, postscale=1.0, root=0, output_dtype=None):
-    args = _core.OpArgs(op, reduce_op, float(prescale), float(postscale), int(root), output_dtype)
+    args = _op_args(op, reduce_op, float(prescale), float(postscale), int(root), output_dtype)
     return _runtime().enqueue(args, inputs, outputs, names)
 
 
