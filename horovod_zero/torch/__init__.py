@@ -48,3 +48,5 @@ from horovod_zero.torch.mpi_ops import (
     reducescatter_async,
     synchronize,
 )
+from horovod_zero.torch import zero
+from horovod_zero.torch.zero import DistributedZeroOptimizer

@@ -1,0 +1,314 @@
+"""DistributedZeroOptimizer: ZeRO stages 1 and 2 over the runtime's collectives.
+
+[Note: where each tensor lives]
+- Each model parameter's storage is moved into a zero-padded flat buffer of
+  size * shard elements (in param_dtype); the parameter becomes a view of its
+  first numel elements. After the inner step the updated fp32 master shards are
+  allgathered straight into that buffer with output_dtype=param_dtype, so the
+  downcast happens in the runtime's copy-in and param_dtype crosses the wire.
+- This rank's fp32 master shards of one param group live in one flat buffer;
+  the inner optimizer steps views of it (any torch.optim optimizer), with their
+  .grad views of a matching flat fp32 gradient buffer.
+- Gradients are reduce-scattered (op=Average) from a zero-padded copy of the
+  full gradient: stage 2 as each gradient becomes ready in backward (then the full
+  gradient is freed), stage 1 when the step (or a coalescing block) needs them.
+"""
+
+import contextlib
+import os
+
+import torch
+
+from horovod_zero.torch import mpi_ops
+from horovod_zero.torch.basics import _core, rank, size
+from horovod_zero.torch.zero.loss_scale import LossScaler
+from horovod_zero.torch.zero.plan import build_plan
+
+_DOWNCAST_ENV = "HOROVOD_ZERO_DOWNCAST"
+
+
+def _param_names(optimizer, model, named_parameters):
+    if model is not None and named_parameters is not None:
+        raise ValueError("Pass model= or named_parameters=, not both.")
+    named = list(model.named_parameters() if model is not None else (named_parameters or []))
+    names = {}
+    for n, p in named:
+        names.setdefault(p, n)
+    opt_params = [p for g in optimizer.param_groups for p in g["params"]]
+    if not named:
+        return {p: f"param.{i}" for i, p in enumerate(opt_params)}, opt_params
+    for i, p in enumerate(opt_params):
+        if p not in names:
+            raise ValueError(
+                f"Parameter {i} of the optimizer (shape {tuple(p.shape)}) is not a parameter of the model. "
+                "Build the optimizer from model.parameters() of the model you pass.")
+    owned = set(opt_params)
+    missing = [n for n, p in named if p.requires_grad and p not in owned]
+    if missing:
+        raise ValueError(
+            f"Model parameters {missing[:5]} require grad but are not in the optimizer. Add them to the "
+            "optimizer, or set requires_grad=False to freeze them.")
+    return names, opt_params
+
+
+class DistributedZeroOptimizer:
+    """Wraps a torch.optim optimizer with ZeRO sharding (stage 1 or 2).
+
+    backward_passes_per_step=N reduces once every N backward passes (gradients are
+    summed over the passes and averaged over ranks, as in Horovod).
+
+    fp16 parameters need loss scaling: with param_dtype=torch.float16 (or
+    loss_scaler=LossScaler(...)), call loss = opt.scale_loss(loss) before
+    backward(); gradients are unscaled in fp32, and a step that overflows on any
+    rank is skipped on every rank.
+    """
+
+    def __init__(self, optimizer, model=None, named_parameters=None, stage=2, param_dtype=None,
+                 reduce_dtype=None, backward_passes_per_step=1, loss_scaler=None):
+        if stage not in (1, 2):
+            raise ValueError(f"stage={stage!r}: DistributedZeroOptimizer supports ZeRO stages 1 and 2.")
+        if backward_passes_per_step < 1:
+            raise ValueError("backward_passes_per_step must be 1 or more.")
+        if optimizer.state:
+            raise ValueError("Wrap the optimizer before its first step: it already holds state.")
+        self.optimizer = optimizer
+        self.stage = stage
+        self._size, self._rank = size(), rank()
+        names, params = _param_names(optimizer, model, named_parameters)
+        devices = {p.device for p in params}
+        if len(devices) > 1:
+            raise ValueError(f"Parameters are on several devices {sorted(map(str, devices))}; "
+                             "move the model to one device (hvd.device()) before wrapping.")
+        self._device = devices.pop() if devices else torch.device("cpu")
+        self._param_dtype = param_dtype
+        self._reduce_dtype = reduce_dtype
+        self._bpps = backward_passes_per_step
+        self._params = params
+        self._plan = build_plan(optimizer.param_groups, names, self._size)
+        self._shards = [s for g in self._plan for s in g]
+        self._master, self._master_grad, self._stores = [], [], []
+        self._build_buffers()
+        self._shard_of = {p: s for p, s in zip(self._params, self._shards)}
+        self._delay = [self._bpps] * len(self._shards)
+        self._pending = {}  # shard index -> (handle, padded input, output)
+        self._had_grad = {}  # shard index -> whether this rank had a gradient for it this step
+        self._reduced = False  # master grads hold this step's reduced gradients
+        self._coalescing = False
+        if loss_scaler is None and param_dtype == torch.float16:
+            loss_scaler = LossScaler()
+        self.loss_scaler = loss_scaler
+        self._hooks = []
+        if stage == 2:
+            for p in self._params:
+                if p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    # --- construction ------------------------------------------------------
+
+    def _build_buffers(self):
+        r = self._rank
+        for g, group in enumerate(self.optimizer.param_groups):
+            total = sum(s.shard for s in self._plan[g])
+            master = torch.zeros(total, dtype=torch.float32, device=self._device)
+            grad = torch.zeros_like(master)
+            views = []
+            for s, p in zip(self._plan[g], group["params"]):
+                flat = p.detach().reshape(-1)
+                lo, hi = s.my_range(r)
+                master[s.offset:s.offset + hi - lo].copy_(flat[lo:hi])
+                dtype = self._param_dtype or p.dtype
+                store = torch.zeros(s.padded, dtype=dtype, device=self._device)
+                store[:s.numel].copy_(flat)
+                p.data = store[:s.numel].view(s.shape)  # the allgather lands here
+                self._stores.append(store)
+                mp = torch.nn.Parameter(master[s.offset:s.offset + s.shard], requires_grad=p.requires_grad)
+                # A frozen parameter keeps grad None, so the inner optimizer skips it as torch would.
+                mp.grad = grad[s.offset:s.offset + s.shard] if p.requires_grad else None
+                views.append(mp)
+            group["params"] = views
+            self._master.append(master)
+            self._master_grad.append(grad)
+        self._master_params = [mp for g in self.optimizer.param_groups for mp in g["params"]]
+        self._grad_views = [mp.grad for mp in self._master_params]
+
+    # --- gradient reduction ----------------------------------------------
+
+    def _reduce_dtype_of(self, p):
+        return self._reduce_dtype or (p.grad.dtype if p.grad is not None else p.dtype)
+
+    def _padded_grad(self, s, p):
+        buf = torch.zeros(s.padded, dtype=self._reduce_dtype_of(p), device=self._device)
+        if p.grad is not None:
+            buf[:s.numel].copy_(p.grad.reshape(-1))
+        return buf
+
+    def _submit(self, pairs):
+        """Reduce-scatters these (shard, param) pairs as one group."""
+        if not pairs:
+            return
+        ins = [self._padded_grad(s, p) for s, p in pairs]
+        outs = [b.new_empty(s.shard) for b, (s, _) in zip(ins, pairs)]
+        names = [f"zero.grad.{s.index}" for s, _ in pairs]
+        handles = mpi_ops._enqueue(_core.OP_REDUCESCATTER, ins, outs, names, mpi_ops.Average)
+        for h, b, o, (s, p) in zip(handles, ins, outs, pairs):
+            self._pending[s.index] = (h, b, o)
+            self._had_grad[s.index] = p.grad is not None
+            if self.stage == 2:
+                p.grad = None  # only the shard is kept
+
+    def _on_grad_ready(self, p):
+        if self._coalescing:
+            return
+        s = self._shard_of[p]
+        self._delay[s.index] -= 1
+        if self._delay[s.index] <= 0 and s.index not in self._pending:
+            self._submit([(s, p)])
+
+    def _trained(self):
+        return [(s, p) for s, p in zip(self._shards, self._params) if p.requires_grad]
+
+    def _submit_rest(self):
+        # Every rank must submit every trained parameter, also those without a gradient here.
+        self._submit([(s, p) for s, p in self._trained() if s.index not in self._pending])
+
+    def _finish_reduction(self):
+        if self._reduced:
+            return
+        self._submit_rest()
+        unscale = 1.0 / self.loss_scaler.scale if self.loss_scaler else 1.0
+        for s, _ in self._trained():
+            h, _, _ = self._pending[s.index]
+            out = mpi_ops.synchronize(h)
+            g = self._master_grad[s.group][s.offset:s.offset + s.shard]
+            g.copy_(out)
+            if unscale != 1.0:
+                g.mul_(unscale)  # in fp32: the scaled fp16 values are exact, the unscaled ones may not be
+        self._skip_gradless()
+        self._pending.clear()
+        self._had_grad.clear()
+        self._delay = [self._bpps] * len(self._shards)
+        self._reduced = True
+
+    def _skip_gradless(self):
+        """A parameter no rank had a gradient for this step gets grad None, so the inner
+        optimizer skips it (no weight decay, no momentum) exactly as torch would."""
+        trained = self._trained()
+        had = torch.tensor([1.0 if self._had_grad.get(s.index) else 0.0 for s, _ in trained])
+        any_rank = mpi_ops.allreduce(had, op=mpi_ops.Max, name="zero.had_grad")
+        for (s, _), flag in zip(trained, any_rank.tolist()):
+            self._master_params[s.index].grad = self._grad_views[s.index] if flag else None
+
+    @contextlib.contextmanager
+    def coalesce_grad_reduction(self):
+        """Backward passes inside accumulate locally; each parameter is reduced once,
+        on exit. Full gradients are held until then."""
+        if self._coalescing:
+            raise RuntimeError("coalesce_grad_reduction() blocks do not nest.")
+        self._coalescing = True
+        try:
+            yield
+        finally:
+            self._coalescing = False
+        self._submit_rest()
+
+    # --- the step ----------------------------------------------------------
+
+    def clip_grad_norm_(self, max_norm, norm_type=2.0):
+        """Clips the global gradient norm (over every rank's shards) like
+        torch.nn.utils.clip_grad_norm_, and returns it."""
+        if float(norm_type) != 2.0:
+            raise ValueError("clip_grad_norm_ supports norm_type=2 only.")
+        self._finish_reduction()
+        local = torch.stack([g.double().pow(2).sum() for g in self._master_grad]).sum().reshape(1).cpu()
+        total = mpi_ops.allreduce(local, op=mpi_ops.Sum, name="zero.grad_norm").sqrt()[0]
+        coef = float(max_norm) / (float(total) + 1e-6)
+        if coef < 1.0:
+            for g in self._master_grad:
+                g.mul_(coef)
+        return total.float()
+
+    def step(self, closure=None):
+        if self._coalescing:
+            raise RuntimeError("step() inside coalesce_grad_reduction(): gradients of that block are reduced "
+                               "when it exits. Call step() after the with-block.")
+        self._finish_reduction()
+        self._reduced = False
+        if self.loss_scaler is not None:
+            found_inf = self._found_inf()
+            self.loss_scaler.update(found_inf)
+            if found_inf:  # every rank skips: the weights stay as they are
+                return None
+        loss = self.optimizer.step(closure)
+        self._gather_params()
+        return loss
+
+    def scale_loss(self, loss):
+        """loss * the current loss scale (unchanged without loss scaling)."""
+        return loss * self.loss_scaler.scale if self.loss_scaler is not None else loss
+
+    def _found_inf(self):
+        local = torch.tensor([0.0 if all(torch.isfinite(g).all() for g in self._master_grad) else 1.0])
+        return bool(mpi_ops.allreduce(local, op=mpi_ops.Max, name="zero.found_inf").item())
+
+    def _gather_params(self):
+        downcast = os.environ.get(_DOWNCAST_ENV, "1") != "0"
+        by_dtype = {}
+        for s, store in zip(self._shards, self._stores):
+            by_dtype.setdefault(store.dtype, []).append(s)
+        handles, copies = [], []
+        for dtype, shards in by_dtype.items():
+            ins = [self._master_params[s.index] for s in shards]
+            if downcast:
+                outs = [self._stores[s.index] for s in shards]
+                out_dtype = dtype
+            else:  # gather fp32 and cast afterwards, to compare bytes and time
+                outs = [torch.empty(s.padded, dtype=torch.float32, device=self._device) for s in shards]
+                copies += [(self._stores[s.index], o) for s, o in zip(shards, outs)]
+                out_dtype = None
+            names = [f"zero.param.{s.index}" for s in shards]
+            handles += mpi_ops._enqueue(_core.OP_ALLGATHER, [i.detach() for i in ins], outs, names,
+                                        output_dtype=out_dtype)
+        mpi_ops.synchronize(handles)
+        for store, full in copies:
+            store.copy_(full)
+
+    def zero_grad(self, set_to_none=True):
+        for p in self._params:
+            p.grad = None
+        for g in self._master_grad:
+            g.zero_()
+
+    # --- state -------------------------------------------------------------
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def state_dict(self):
+        """This rank's shard: its master weights and inner optimizer state."""
+        return {"zero": {"world_size": self._size, "rank": self._rank, "stage": self.stage,
+                         "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None},
+                "master": [m.detach().clone() for m in self._master],
+                "inner": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state):
+        meta = state.get("zero", {})
+        if meta.get("world_size") != self._size or meta.get("rank") != self._rank:
+            raise ValueError(
+                f"This state dict is rank {meta.get('rank')}'s shard of a job of size {meta.get('world_size')}; "
+                f"this is rank {self._rank} of {self._size}. To change the world size, save with "
+                "hvd.zero.save_checkpoint (or consolidated_state_dict) and load with hvd.zero.load_checkpoint.")
+        with torch.no_grad():
+            for m, saved in zip(self._master, state["master"]):
+                m.copy_(saved)
+        self.optimizer.load_state_dict(state["inner"])
+        if self.loss_scaler is not None and meta.get("loss_scaler"):
+            self.loss_scaler.load_state_dict(meta["loss_scaler"])
+        self._gather_params()
+
+    def __repr__(self):
+        return f"DistributedZeroOptimizer(stage={self.stage}, size={self._size}, inner={self.optimizer!r})"
