@@ -82,7 +82,7 @@ def _rel(a, b):
 
 
 def _check_against_reference(stage, mode, clip):
-    passes = {"plain": 1, "bpps": 2, "coalesce": 4}[mode]
+    passes = {"plain": 1, "bpps": 2, "coalesce": 4, "perpass": 3}[mode]
     model = _model()
     opt = hvd.DistributedZeroOptimizer(_adamw(model), model=model, stage=stage,
                                        backward_passes_per_step=passes if mode == "bpps" else 1)
@@ -94,8 +94,9 @@ def _check_against_reference(stage, mode, clip):
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-@pytest.mark.parametrize("mode,clip", [("plain", None), ("bpps", None), ("coalesce", None), ("plain", 0.05)],
-                         ids=["plain", "backward_passes_per_step2", "coalesce4", "clip"])
+@pytest.mark.parametrize("mode,clip", [("plain", None), ("bpps", None), ("coalesce", None), ("perpass", None),
+                                       ("plain", 0.05)],
+                         ids=["plain", "backward_passes_per_step2", "coalesce4", "3passes_uncoalesced", "clip"])
 def test_matches_single_process_reference(ranks_fusion, stage, mode, clip):
     nparams = 4
     total = sum(p.numel() for p in _model().parameters())
@@ -103,8 +104,10 @@ def test_matches_single_process_reference(ranks_fusion, stage, mode, clip):
     for errs, counts, state_numel in ranks_fusion.run(_check_against_reference, stage, mode, clip):
         for name, e in errs.items():
             assert e < 1e-5, (name, e)
-        # One reduce-scatter per parameter per step, however many backward passes.
-        assert counts == [nparams] * STEPS, counts
+        # One reduce-scatter per parameter per step, however many backward passes; except
+        # stage 2 without coalescing, which reduces after every backward pass.
+        per_step = nparams * (3 if (mode, stage) == ("perpass", 2) else 1)
+        assert counts == [per_step] * STEPS, counts
         # Optimizer state is sharded: total / size, plus padding.
         assert state_numel == shard_total and state_numel < total
 

@@ -90,7 +90,7 @@ class DistributedZeroOptimizer:
         self._build_buffers()
         self._shard_of = {p: s for p, s in zip(self._params, self._shards)}
         self._delay = [self._bpps] * len(self._shards)
-        self._pending = {}  # shard index -> (handle, padded input, output)
+        self._pending = {}  # shard index -> [(handle, padded input, output)], one per reduction this step
         self._had_grad = {}  # shard index -> whether this rank had a gradient for it this step
         self._reduced = False  # master grads hold this step's reduced gradients
         self._coalescing = False
@@ -148,28 +148,31 @@ class DistributedZeroOptimizer:
             return
         ins = [self._padded_grad(s, p) for s, p in pairs]
         outs = [b.new_empty(s.shard) for b, (s, _) in zip(ins, pairs)]
-        names = [f"zero.grad.{s.index}" for s, _ in pairs]
+        # The k-th reduction of a parameter in a step has its own name: every rank
+        # runs the same backward passes, so the names agree.
+        names = [f"zero.grad.{s.index}.{len(self._pending.get(s.index, []))}" for s, _ in pairs]
         handles = mpi_ops._enqueue(_core.OP_REDUCESCATTER, ins, outs, names, mpi_ops.Average)
         for h, b, o, (s, p) in zip(handles, ins, outs, pairs):
-            self._pending[s.index] = (h, b, o)
-            self._had_grad[s.index] = p.grad is not None
-            if self.stage == 2:
-                p.grad = None  # only the shard is kept
+            self._pending.setdefault(s.index, []).append((h, b, o))
+            self._had_grad[s.index] = self._had_grad.get(s.index, False) or p.grad is not None
+            p.grad = None  # consumed: only the shard is kept, and later passes start afresh
 
     def _on_grad_ready(self, p):
         if self._coalescing:
             return
         s = self._shard_of[p]
         self._delay[s.index] -= 1
-        if self._delay[s.index] <= 0 and s.index not in self._pending:
+        if self._delay[s.index] <= 0:
+            self._delay[s.index] = self._bpps
             self._submit([(s, p)])
 
     def _trained(self):
         return [(s, p) for s, p in zip(self._shards, self._params) if p.requires_grad]
 
     def _submit_rest(self):
-        # Every rank must submit every trained parameter, also those without a gradient here.
-        self._submit([(s, p) for s, p in self._trained() if s.index not in self._pending])
+        # Every rank must submit every trained parameter, also those without a gradient
+        # here; and gradient accumulated since a parameter's last reduction goes too.
+        self._submit([(s, p) for s, p in self._trained() if s.index not in self._pending or p.grad is not None])
 
     def _finish_reduction(self):
         if self._reduced:
@@ -177,10 +180,10 @@ class DistributedZeroOptimizer:
         self._submit_rest()
         unscale = 1.0 / self.loss_scaler.scale if self.loss_scaler else 1.0
         for s, _ in self._trained():
-            h, _, _ = self._pending[s.index]
-            out = mpi_ops.synchronize(h)
             g = self._master_grad[s.group][s.offset:s.offset + s.shard]
-            g.copy_(out)
+            g.zero_()
+            for h, _, _ in self._pending[s.index]:  # one per reduction this step: their sum
+                g.add_(mpi_ops.synchronize(h))
             if unscale != 1.0:
                 g.mul_(unscale)  # in fp32: the scaled fp16 values are exact, the unscaled ones may not be
         self._skip_gradless()

@@ -1,0 +1,248 @@
+"""ZeRO benchmark, side by side in one run: horovod_zero stages 1 and 2 against DDP
+(bf16 autocast) and FSDP2 (fully_shard per block, reshard_after_forward=False,
+MixedPrecisionPolicy(bf16, fp32)) on a Llama-3.2-1B-shaped decoder with synthetic
+tokens; then coalescing and downcast fusion. Median step time, tokens/s per GPU,
+peak max_memory_allocated over ranks.
+
+    torchrun --nproc_per_node=8 examples/bench_zero.py --micro-batch 4
+    torchrun --nproc_per_node=2 examples/bench_zero.py --tiny     # smoke test, CPU too
+"""
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import horovod_zero.torch as hvd
+
+LLAMA_1B = dict(layers=16, d=2048, heads=32, kv_heads=8, ffn=8192, vocab=128256, seq=2048)
+TINY = dict(layers=2, d=64, heads=4, kv_heads=2, ffn=128, vocab=512, seq=64)
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5).to(x.dtype) * self.weight
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d, heads, kv_heads, ffn):
+        super().__init__()
+        self.heads, self.kv, self.hd = heads, kv_heads, d // heads
+        self.norm1, self.norm2 = RMSNorm(d), RMSNorm(d)
+        self.q = torch.nn.Linear(d, d, bias=False)
+        self.k = torch.nn.Linear(d, kv_heads * self.hd, bias=False)
+        self.v = torch.nn.Linear(d, kv_heads * self.hd, bias=False)
+        self.o = torch.nn.Linear(d, d, bias=False)
+        self.gate = torch.nn.Linear(d, ffn, bias=False)
+        self.up = torch.nn.Linear(d, ffn, bias=False)
+        self.down = torch.nn.Linear(ffn, d, bias=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.norm1(x)
+        q = self.q(h).view(b, t, self.heads, self.hd).transpose(1, 2)
+        k = self.k(h).view(b, t, self.kv, self.hd).transpose(1, 2)
+        v = self.v(h).view(b, t, self.kv, self.hd).transpose(1, 2)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, d))
+        h = self.norm2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class Decoder(torch.nn.Module):
+    def __init__(self, layers, d, heads, kv_heads, ffn, vocab, seq):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        torch.nn.init.normal_(self.emb.weight, std=0.02)
+        self.blocks = torch.nn.ModuleList(Block(d, heads, kv_heads, ffn) for _ in range(layers))
+        self.norm = RMSNorm(d)
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight  # tied embeddings
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.norm(x))
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def peak_gib():
+    if not torch.cuda.is_available():
+        return float("nan")
+    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30])
+    return hvd.allreduce(peak, op=hvd.Max, name="bench.peak").item()
+
+
+def run_steps(step_fn, steps, warmup=3):
+    for _ in range(warmup):
+        step_fn()
+    sync()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step_fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def build(cfg, dev):
+    torch.manual_seed(0)
+    return Decoder(**cfg).to(dev)
+
+
+def bench_mode(mode, cfg, micro, steps, dev):
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    model = build(cfg, dev)
+    g = torch.Generator(device="cpu").manual_seed(hvd.rank())
+    ids = torch.randint(0, cfg["vocab"], (micro, cfg["seq"] + 1), generator=g).to(dev)
+    x, y = ids[:, :-1], ids[:, 1:]
+    amp = torch.autocast(dev.type, dtype=torch.bfloat16)
+    if mode == "ddp":
+        net = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-4, weight_decay=0.1)
+
+        def step():
+            with amp:
+                loss = F.cross_entropy(net(x).flatten(0, 1).float(), y.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    elif mode == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for b in model.blocks:
+            fully_shard(b, reshard_after_forward=False, mp_policy=mp)
+        fully_shard(model, reshard_after_forward=False, mp_policy=mp)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+
+        def step():
+            loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    else:
+        stage = int(mode[-1])
+        opt = hvd.DistributedZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1),
+                                           model=model, stage=stage, param_dtype=torch.bfloat16)
+
+        def step():
+            loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    t = run_steps(step, steps)
+    out = (t, micro * cfg["seq"] / t, peak_gib())
+    del model, opt
+    return out
+
+
+def bench_coalescing(dev, width, layers, passes, steps):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)]).to(dev)
+    opt = hvd.DistributedZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4), model=model, stage=2,
+                                       param_dtype=torch.bfloat16)
+    x = torch.randn(8, width, device=dev, dtype=torch.bfloat16)
+    rows = []
+    for coalesce in (False, True):
+        def step():
+            ctx = opt.coalesce_grad_reduction() if coalesce else _Null()
+            with ctx:
+                for _ in range(passes):
+                    model(x).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        hvd.collective_stats(reset=True)
+        t = run_steps(step, steps, warmup=1)
+        rs = sum(s["collectives"] for s in hvd.collective_stats() if s["op"] == "reducescatter")
+        rows.append((coalesce, t, rs / (steps + 1)))
+    return rows
+
+
+class _Null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+def bench_downcast(cfg, micro, steps, dev):
+    rows = []
+    for mode in ("1", "0"):
+        os.environ["HOROVOD_ZERO_DOWNCAST"] = mode
+        hvd.collective_stats(reset=True)
+        t, _, _ = bench_mode("zero2", cfg, micro, steps, dev)
+        gathered = sum(s["bytes"] for s in hvd.collective_stats() if s["op"] == "allgather")
+        rows.append((mode, t, gathered / (steps + 3)))
+    os.environ.pop("HOROVOD_ZERO_DOWNCAST", None)
+    return rows
+
+
+def bench_init(cfg, dev):
+    model = build(cfg, dev)
+    sync()
+    t0 = time.perf_counter()
+    opt = hvd.DistributedZeroOptimizer(torch.optim.AdamW(model.parameters()), model=model, stage=2,
+                                       param_dtype=torch.bfloat16)
+    sync()
+    t = time.perf_counter() - t0
+    del model, opt
+    return t
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiny", action="store_true", help="a tiny model: a smoke test that runs on CPU too")
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--modes", default="ddp,fsdp2,zero1,zero2")
+    ap.add_argument("--extras", default="coalescing,downcast,init")
+    args = ap.parse_args()
+    hvd.init()
+    dev = hvd.device()
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
+                            device_id=dev if dev.type == "cuda" else None)
+    cfg = TINY if args.tiny else LLAMA_1B
+    lines = [f"== bench_zero: {hvd.size()} ranks, {torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}, "
+             f"{'tiny' if args.tiny else 'Llama-3.2-1B-shaped'} model, micro-batch {args.micro_batch}, "
+             f"seq {cfg['seq']}"]
+    for mode in args.modes.split(","):
+        t, tok, peak = bench_mode(mode, cfg, args.micro_batch, args.steps, dev)
+        lines.append(f"{mode:6s} step {t*1e3:9.1f} ms  {tok:10.0f} tokens/s/GPU  peak {peak:6.2f} GiB")
+    extras = args.extras.split(",") if args.extras else []
+    if "coalescing" in extras:
+        width, layers = (64, 2) if args.tiny else (4096, 8)
+        for coalesce, t, rs in bench_coalescing(dev, width, layers, 4, args.steps):
+            lines.append(f"coalescing={coalesce!s:5s} MLP {layers}x{width}, 4 passes: step {t*1e3:8.1f} ms, "
+                         f"{rs:.0f} reduce-scatter collectives per step")
+    if "downcast" in extras:
+        for mode, t, gathered in bench_downcast(cfg, args.micro_batch, args.steps, dev):
+            lines.append(f"HOROVOD_ZERO_DOWNCAST={mode}: step {t*1e3:9.1f} ms, {gathered/2**20:9.1f} MiB allgathered per step")
+    if "init" in extras:
+        lines.append(f"wrap time (flatten, shard, master copies): {bench_init(cfg, dev)*1e3:.1f} ms")
+    if hvd.rank() == 0:
+        print("\n".join(lines), flush=True)
+    dist.destroy_process_group()
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
