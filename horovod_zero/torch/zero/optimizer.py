@@ -90,7 +90,10 @@ class DistributedZeroOptimizer:
         self._build_buffers()
         self._shard_of = {p: s for p, s in zip(self._params, self._shards)}
         self._delay = [self._bpps] * len(self._shards)
-        self._pending = {}  # shard index -> [(handle, padded input, output)], one per reduction this step
+        # shard index -> [handle], one per reduction this step. The padded gradient copy is
+        # not kept here: the runtime holds it until its collective finishes, then frees it,
+        # so stage 2 never holds more than the gradients still in flight.
+        self._pending = {}
         self._had_grad = {}  # shard index -> whether this rank had a gradient for it this step
         self._reduced = False  # master grads hold this step's reduced gradients
         self._coalescing = False
@@ -152,8 +155,8 @@ class DistributedZeroOptimizer:
         # runs the same backward passes, so the names agree.
         names = [f"zero.grad.{s.index}.{len(self._pending.get(s.index, []))}" for s, _ in pairs]
         handles = mpi_ops._enqueue(_core.OP_REDUCESCATTER, ins, outs, names, mpi_ops.Average)
-        for h, b, o, (s, p) in zip(handles, ins, outs, pairs):
-            self._pending.setdefault(s.index, []).append((h, b, o))
+        for h, (s, p) in zip(handles, pairs):
+            self._pending.setdefault(s.index, []).append(h)
             self._had_grad[s.index] = self._had_grad.get(s.index, False) or p.grad is not None
             p.grad = None  # consumed: only the shard is kept, and later passes start afresh
 
@@ -182,7 +185,7 @@ class DistributedZeroOptimizer:
         for s, _ in self._trained():
             g = self._master_grad[s.group][s.offset:s.offset + s.shard]
             g.zero_()
-            for h, _, _ in self._pending[s.index]:  # one per reduction this step: their sum
+            for h in self._pending[s.index]:  # one per reduction this step: their sum
                 g.add_(mpi_ops.synchronize(h))
             if unscale != 1.0:
                 g.mul_(unscale)  # in fp32: the scaled fp16 values are exact, the unscaled ones may not be
