@@ -219,7 +219,7 @@ class PyRuntime {
         results_.erase(it);
       }
     }
-    if (s.type() != StatusType::kInvalidArgument) rt_->handles().Release(h);
+    rt_->handles().Release(h);  // no-op for a handle that was never known
     ThrowIfError(s);
     return slot ? *slot : at::Tensor();
   }

@@ -1,6 +1,7 @@
 #include "negotiation/shm_control_plane.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sched.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -10,13 +11,14 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <fstream>
 #include <sstream>
 #include <thread>
 
 namespace hvdz {
 namespace {
 
-constexpr size_t kLine = 64;  // one sequence counter per cache line
+constexpr size_t kLine = 64;  // one rank's line: its sequence counter, then its pid
 // A slot: total payload length, this round's chunk length, the chunk.
 constexpr size_t kSlotHeader = 16;
 constexpr size_t kSlotStride = kSlotHeader + ShmControlPlane::kSlotBytes;
@@ -24,6 +26,16 @@ constexpr size_t kSlotStride = kSlotHeader + ShmControlPlane::kSlotBytes;
 size_t SegmentBytes(int size) { return kLine * size + 2 * kSlotStride * size; }
 
 using SteadyClock = std::chrono::steady_clock;
+
+// Gone, or a zombie its launcher has not reaped yet: either way it will never arrive.
+bool ProcessAlive(pid_t pid) {
+  if (kill(pid, 0) != 0) return errno != ESRCH;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return true;
+  auto close = line.rfind(')');  // the state follows the command name, which may hold spaces
+  return close == std::string::npos || close + 2 >= line.size() || line[close + 2] != 'Z';
+}
 
 }  // namespace
 
@@ -34,6 +46,23 @@ ShmControlPlane::~ShmControlPlane() { munmap(base_, bytes_); }
 
 std::atomic<uint64_t>& ShmControlPlane::Seq(int r) {
   return *reinterpret_cast<std::atomic<uint64_t>*>(static_cast<char*>(base_) + kLine * r);
+}
+
+std::atomic<int64_t>& ShmControlPlane::Pid(int r) {
+  return *reinterpret_cast<std::atomic<int64_t>*>(static_cast<char*>(base_) + kLine * r + 8);
+}
+
+// A peer whose process is gone will never arrive: say so now rather than at the
+// timeout. Only trusted when every peer's pid was visible at attach time (ranks
+// in other PID namespaces would look dead).
+std::string ShmControlPlane::DeadPeers(uint64_t target) {
+  std::string dead;
+  if (!pids_visible_) return dead;
+  for (int r = 0; r < size_; ++r) {
+    if (Seq(r).load(std::memory_order_acquire) >= target) continue;
+    if (!ProcessAlive(static_cast<pid_t>(Pid(r).load()))) dead += (dead.empty() ? "" : ", ") + std::to_string(r);
+  }
+  return dead;
 }
 
 uint8_t* ShmControlPlane::Slot(int parity, int r) {
@@ -70,9 +99,13 @@ Status ShmControlPlane::Create(const std::string& name, int rank, int size, doub
   close(fd);
   if (base == MAP_FAILED) return Status::Error(std::string("mmap of the negotiation segment failed: ") + std::strerror(errno));
   out->reset(new ShmControlPlane(rank, size, timeout_s, base, bytes));
+  ShmControlPlane& cp = **out;
+  cp.Pid(rank).store(static_cast<int64_t>(getpid()));
   // Everyone attached: the name can go, so nothing is left behind if a rank dies.
-  Status s = (*out)->Arrive();
+  Status s = cp.Arrive();
   if (rank == 0) shm_unlink(name.c_str());
+  for (int r = 0; r < size && s.ok(); ++r)
+    cp.pids_visible_ = cp.pids_visible_ && kill(static_cast<pid_t>(cp.Pid(r).load()), 0) == 0;
   return s;
 }
 
@@ -92,6 +125,12 @@ Status ShmControlPlane::Arrive() {
       continue;
     }
     std::this_thread::sleep_for(std::chrono::microseconds(20));
+    if (spins % 4096 == 0) {
+      std::string dead = DeadPeers(target);
+      if (!dead.empty())
+        return Status::Aborted("ranks [" + dead + "] exited (their processes are gone) before negotiation round " +
+                               std::to_string(target) + " (shared-memory control plane)");
+    }
     if (spins % 64 == 0 && std::chrono::duration<double>(SteadyClock::now() - start).count() > timeout_s_) {
       std::ostringstream os;
       os << "ranks [";

@@ -43,6 +43,8 @@ class ShmControlPlane : public ControlPlane {
   Status Exchange(const uint8_t* data, size_t n, std::vector<std::vector<uint8_t>>* all);
   Status Arrive();  // publish this round and wait for every rank to reach it
   std::atomic<uint64_t>& Seq(int r);
+  std::atomic<int64_t>& Pid(int r);
+  std::string DeadPeers(uint64_t target);
   uint8_t* Slot(int parity, int r);
 
   int rank_;
@@ -51,6 +53,7 @@ class ShmControlPlane : public ControlPlane {
   void* base_;
   size_t bytes_;
   uint64_t round_ = 0;
+  bool pids_visible_ = true;
 };
 
 }  // namespace hvdz
