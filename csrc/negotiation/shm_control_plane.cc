@@ -113,25 +113,29 @@ Status ShmControlPlane::Arrive() {
   const uint64_t target = ++round_;
   Seq(rank_).store(target, std::memory_order_release);
   const auto start = SteadyClock::now();
-  for (uint64_t spins = 0;; ++spins) {
+  auto last_check = start;
+  while (true) {
     bool all = true;
     for (int r = 0; r < size_ && all; ++r) all = Seq(r).load(std::memory_order_acquire) >= target;
     if (all) return Status::OK();
-    // Spin briefly (a peer is usually microseconds away), then yield, then sleep,
-    // so a rank waiting out a peer's long compute does not burn a core.
-    if (spins < 2000) continue;
-    if (spins < 4000) {
+    // Peers with work arrive within microseconds: spin for them. Idle cycles wait up
+    // to a cycle time for the slowest rank: yield, then sleep, so waiting costs
+    // little CPU (these phases are bounded by time, not by iterations).
+    const auto now = SteadyClock::now();
+    const double waited_us = std::chrono::duration<double, std::micro>(now - start).count();
+    if (waited_us < 20) continue;
+    if (waited_us < 100) {
       sched_yield();
       continue;
     }
-    std::this_thread::sleep_for(std::chrono::microseconds(20));
-    if (spins % 4096 == 0) {
-      std::string dead = DeadPeers(target);
-      if (!dead.empty())
-        return Status::Aborted("ranks [" + dead + "] exited (their processes are gone) before negotiation round " +
-                               std::to_string(target) + " (shared-memory control plane)");
-    }
-    if (spins % 64 == 0 && std::chrono::duration<double>(SteadyClock::now() - start).count() > timeout_s_) {
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+    if (now - last_check < std::chrono::milliseconds(100)) continue;
+    last_check = now;
+    std::string dead = DeadPeers(target);
+    if (!dead.empty())
+      return Status::Aborted("ranks [" + dead + "] exited (their processes are gone) before negotiation round " +
+                             std::to_string(target) + " (shared-memory control plane)");
+    if (waited_us > timeout_s_ * 1e6) {
       std::ostringstream os;
       os << "ranks [";
       const char* sep = "";
