@@ -37,17 +37,22 @@ def tensor_sizes(total_bytes, elem_bytes, size):
     return out
 
 
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed(fn, iters, warmup=3):
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    sync()
     times = []
     for _ in range(iters):
         dist.barrier()
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -68,6 +73,16 @@ def bench_bandwidth(total, dtype, iters):
     t_hvd = timed(lambda: hvd.grouped_reducescatter(fulls, op=hvd.Sum, name="bw.rs"), iters)
     t_torch = timed(lambda: dist.reduce_scatter_tensor(flat_in, flat_out), iters)
     rows.append(("reducescatter", len(sizes), nbytes, t_hvd, t_torch))
+    # Pipelined: the same allgather split into 4 groups in flight at once, as ZeRO issues
+    # them, so the negotiation of one overlaps the communication of another.
+    quarters = [shards[i::4] for i in range(4)]
+    q_in = [torch.empty(nbytes // esz // 4 // n, dtype=dtype, device=dev) for _ in range(4)]
+    q_out = [torch.empty(nbytes // esz // 4, dtype=dtype, device=dev) for _ in range(4)]
+    t_hvd = timed(lambda: hvd.synchronize(
+        [hvd.grouped_allgather_async(q, name=f"bw.ag4.{i}") for i, q in enumerate(quarters) if q]), iters)
+    t_torch = timed(lambda: [w.wait() for w in [dist.all_gather_into_tensor(q_out[i], q_in[i], async_op=True)
+                                                for i in range(4)]], iters)
+    rows.append(("allgather x4", len(sizes), nbytes, t_hvd, t_torch))
     return rows
 
 
@@ -77,20 +92,20 @@ def bench_small(count):
     for rep in range(3):  # warm the response cache and NCCL
         hvd.synchronize([hvd.allreduce_async(t, op=hvd.Sum, name=f"small.{i}") for i, t in enumerate(ts)])
     dist.barrier()
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     hs = [hvd.allreduce_async(t, op=hvd.Sum, name=f"small.{i}") for i, t in enumerate(ts)]
     t_enq = time.perf_counter() - t0
     hvd.synchronize(hs)
-    torch.cuda.synchronize()
+    sync()
     t_hvd = time.perf_counter() - t0
     dist.barrier()
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     works = [dist.all_reduce(t, async_op=True) for t in ts]
     for w in works:
         w.wait()
-    torch.cuda.synchronize()
+    sync()
     t_torch = time.perf_counter() - t0
     return t_hvd, t_enq / count, t_torch
 
@@ -99,10 +114,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--totals", default="64MiB,1GiB")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--small", type=int, default=1000, help="number of small async allreduces")
     args = ap.parse_args()
     hvd.init()
-    torch.cuda.set_device(hvd.device())
-    dist.init_process_group("nccl", device_id=hvd.device())
+    cuda = hvd.device().type == "cuda"
+    if cuda:
+        torch.cuda.set_device(hvd.device())
+    dist.init_process_group("nccl" if cuda else "gloo", device_id=hvd.device() if cuda else None)
     n = hvd.size()
     units = {"MiB": 1 << 20, "GiB": 1 << 30}
     out = []
@@ -112,12 +130,12 @@ def main():
             bus = lambda t: nbytes * (n - 1) / n / t / 1e9
             out.append(f"{op:14s} {spec:>6s} bf16 {ntensors:4d} tensors  horovod_zero {th*1e3:8.2f} ms "
                        f"{bus(th):7.1f} GB/s | torch {tt*1e3:8.2f} ms {bus(tt):7.1f} GB/s | ratio {tt/th:5.2f}")
-    t_hvd, per_enq, t_torch = bench_small(1000)
-    out.append(f"1000 small async allreduces: horovod_zero {t_hvd*1e3:.2f} ms (host {per_enq*1e6:.2f} us per enqueue) "
+    t_hvd, per_enq, t_torch = bench_small(args.small)
+    out.append(f"{args.small} small async allreduces: horovod_zero {t_hvd*1e3:.2f} ms (host {per_enq*1e6:.2f} us per enqueue) "
                f"| torch {t_torch*1e3:.2f} ms | speedup {t_torch/t_hvd:.1f}x")
     stats = hvd.collective_stats()
     if hvd.rank() == 0:
-        print(f"== bench_collectives: {n} ranks, {torch.cuda.get_device_name()}, "
+        print(f"== bench_collectives: {n} ranks, {torch.cuda.get_device_name() if cuda else 'cpu'}, "
               f"HOROVOD_FUSION_THRESHOLD={os.environ.get('HOROVOD_FUSION_THRESHOLD', 'default')}, "
               f"HOROVOD_ZERO_DIRECT_MAX_TENSORS={os.environ.get('HOROVOD_ZERO_DIRECT_MAX_TENSORS', 'default')}")
         for line in out:

@@ -70,19 +70,19 @@ def _enqueue(op, inputs, outputs, names, reduce_op=Sum, prescale=1.0, postscale=
 
 
 def synchronize(handle):
-    """Waits for a handle (or a list of handles from a grouped op) and returns the
-    output (or the list of outputs); raises HorovodInternalError if the op failed."""
+    """Waits for a handle, or a (nested) list of them such as grouped ops return, and
+    returns the output(s) in the same shape; raises HorovodInternalError if an op failed."""
     rt = _runtime()
     if isinstance(handle, (list, tuple)):
-        return [rt.wait(h) for h in handle]
+        return [synchronize(h) for h in handle]
     return rt.wait(handle)
 
 
 def poll(handle) -> bool:
-    """True when the op behind the handle (all ops, for a list) has finished."""
+    """True when the op behind the handle (every op, for a nested list) has finished."""
     rt = _runtime()
     if isinstance(handle, (list, tuple)):
-        return all(rt.poll(h) for h in handle)
+        return all(poll(h) for h in handle)
     return rt.poll(handle)
 
 

@@ -161,6 +161,13 @@ def _async_and_poll():
     while not hvd.poll(h):
         pass
     assert hvd.synchronize(h).shape == (2 * n,)
+    # Grouped async ops return lists; a list of them synchronizes in the same shape.
+    groups = [hvd.grouped_allreduce_async([torch.ones(2), torch.ones(3)], op=hvd.Sum, name=f"nested.{i}") for i in range(3)]
+    while not hvd.poll(groups):
+        pass
+    outs = hvd.synchronize(groups)
+    assert [[tuple(t.shape) for t in g] for g in outs] == [[(2,), (3,)]] * 3
+    assert all(torch.equal(t, torch.full_like(t, float(n))) for g in outs for t in g)
 
 
 def test_async_handles_and_poll(ranks):
