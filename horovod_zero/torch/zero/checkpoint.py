@@ -41,10 +41,58 @@ def consolidated_state_dict(model, opt):
     return {"model": {**others, **params}, "optimizer": {"state": state, "param_groups": groups}}
 
 
+# Dtypes the collectives carry; tensors of others (bool buffers, ...) travel in the structure.
+_WIRE_DTYPES = {torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64, torch.int8,
+                torch.uint8}
+
+
+class _TensorSlot:
+    """Stands for a tensor in the broadcast structure; the tensor follows on its own."""
+
+    def __init__(self, t):
+        self.shape, self.dtype = tuple(t.shape), t.dtype
+
+
+def _share(state, device):
+    """Rank 0's state on every rank: the structure (small) as one object, then each
+    tensor by a broadcast of its own, so no rank pickles or holds the whole state."""
+    tensors = []
+
+    def strip(x):
+        if torch.is_tensor(x) and x.dtype in _WIRE_DTYPES:
+            tensors.append(x)
+            return _TensorSlot(x)
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(strip(v) for v in x)
+        return x
+
+    skeleton = broadcast_object(strip(state) if rank() == 0 else None, root_rank=0, name="zero.ckpt.structure")
+    counter = iter(range(1 << 62))
+
+    def fill(x):
+        if isinstance(x, _TensorSlot):
+            i = next(counter)
+            if rank() == 0:
+                t = tensors[i].to(device).contiguous()
+            else:
+                t = torch.empty(x.shape, dtype=x.dtype, device=device)
+            mpi_ops.broadcast_(t, 0, name=f"zero.ckpt.tensor.{i}")
+            return t.cpu()
+        if isinstance(x, dict):
+            return {k: fill(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(fill(v) for v in x)
+        return x
+
+    return fill(skeleton)
+
+
 def load_consolidated(state, model, opt):
     """Loads a consolidated state (from any world size) into this job. Rank 0 passes
     the object; the other ranks may pass None."""
-    state = broadcast_object(state if rank() == 0 else None, root_rank=0, name="zero.ckpt.load")
+    state = _share(state, opt._device)
     inner = opt.optimizer
     model_state, opt_state = state["model"], state["optimizer"]
     missing = [s.name for s in opt._shards if s.name not in model_state]
