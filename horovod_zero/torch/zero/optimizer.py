@@ -140,9 +140,13 @@ class DistributedZeroOptimizer:
         return self._reduce_dtype or (p.grad.dtype if p.grad is not None else p.dtype)
 
     def _padded_grad(self, s, p):
-        buf = torch.zeros(s.padded, dtype=self._reduce_dtype_of(p), device=self._device)
-        if p.grad is not None:
-            buf[:s.numel].copy_(p.grad.reshape(-1))
+        dtype = self._reduce_dtype_of(p)
+        g = p.grad
+        if g is not None and s.numel == s.padded and g.dtype == dtype and g.is_contiguous():
+            return g.view(-1)  # no padding needed: reduce-scatter it where it is
+        buf = torch.zeros(s.padded, dtype=dtype, device=self._device)
+        if g is not None:
+            buf[:s.numel].copy_(g.reshape(-1))
         return buf
 
     def _submit(self, pairs):
