@@ -41,8 +41,9 @@ Status Runtime::CheckDevice(const TensorEntry& e) {
   if (!e.request.on_cuda()) return Status::OK();
   if (!gpu_) {
     return Status::InvalidArgument("Tensor '" + e.request.name +
-                                   "' is on CUDA, but horovod_zero was built without CUDA. Rebuild "
-                                   "on a machine with the CUDA toolkit, or move the tensor to the CPU.");
+                                   "' is on CUDA, but this process has no CUDA support: horovod_zero was built "
+                                   "without CUDA, or no GPU is visible. Rebuild on a machine with the CUDA "
+                                   "toolkit and NCCL, or move the tensor to the CPU.");
   }
   int expected = -2;
   if (!cuda_device_.compare_exchange_strong(expected, e.request.device) && expected != e.request.device) {

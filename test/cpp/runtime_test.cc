@@ -1,0 +1,113 @@
+// The Runtime end to end at size 1, without torch: an in-memory control plane, a
+// local communicator and malloc'ed memory. Covers what the Python layer cannot
+// reach on a machine without GPUs: a CUDA tensor refused when CUDA is unusable.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <future>
+
+#include "in_memory_control_plane.h"
+#include "runtime/runtime.h"
+
+namespace hvdz {
+namespace {
+
+// Size 1: every collective leaves the data where it is (allgather and
+// reducescatter copy between distinct buffers).
+class LocalCommunicator : public Communicator {
+ public:
+  Status Allreduce(void*, int64_t, DataType, ReduceOp) override { return Status::OK(); }
+  Status Allgather(const void* in, void* out, int64_t n, DataType t) override {
+    if (in != out) std::memmove(out, in, n * DataTypeSize(t));
+    return Status::OK();
+  }
+  Status ReduceScatter(const void* in, void* out, int64_t n, DataType t, ReduceOp) override {
+    if (in != out) std::memmove(out, in, n * DataTypeSize(t));
+    return Status::OK();
+  }
+  Status Broadcast(void*, int64_t, DataType, int) override { return Status::OK(); }
+};
+
+class MallocAllocator : public Allocator {
+ public:
+  Status Allocate(int device, DataType dtype, const std::vector<int64_t>& shape, TensorDesc* out,
+                  std::shared_ptr<void>* holder) override {
+    if (device != kCpuDevice) return Status::Error("no device memory here");
+    out->dtype = dtype;
+    out->shape = shape;
+    out->device = device;
+    holder->reset(std::malloc(std::max<size_t>(1, out->bytes())), std::free);
+    out->data = holder->get();
+    return Status::OK();
+  }
+};
+
+struct Fixture {
+  testing::Hub hub{1};
+  std::unique_ptr<Runtime> rt;
+  Fixture() {
+    Params p;
+    rt = std::make_unique<Runtime>(WorldInfo{}, p, std::make_unique<testing::InMemoryControlPlane>(hub, 0),
+                                   std::make_unique<LocalCommunicator>(), std::make_unique<MallocAllocator>());
+    EXPECT_TRUE(rt->Start().ok());
+  }
+};
+
+TensorEntry Entry(const std::string& name, std::vector<float>& data, int device = kCpuDevice) {
+  TensorEntry e;
+  e.request.name = name;
+  e.request.device = device;
+  e.request.reduce_op = ReduceOp::kSum;
+  e.request.postscale = 2.0;
+  e.request.shape = {static_cast<int64_t>(data.size())};
+  e.input = {data.data(), DataType::kFloat32, e.request.shape, device};
+  e.output = e.input;  // in place
+  return e;
+}
+
+TEST(Runtime, FusedAllreduceRunsEndToEndAndScales) {
+  Fixture f;
+  std::vector<float> a{1, 2, 3}, b{4, 5};
+  std::vector<TensorEntry> entries;
+  entries.push_back(Entry("a", a));
+  entries.push_back(Entry("b", b));
+  std::vector<int64_t> handles;
+  ASSERT_TRUE(f.rt->Enqueue(std::move(entries), nullptr, &handles).ok());
+  for (auto h : handles) EXPECT_TRUE(f.rt->handles().Wait(h).ok());
+  EXPECT_EQ(a, (std::vector<float>{2, 4, 6}));  // sum over one rank, postscale 2
+  EXPECT_EQ(b, (std::vector<float>{8, 10}));
+  auto stats = f.rt->counters().Snapshot();
+  ASSERT_EQ(stats.size(), 1u);
+  EXPECT_EQ(stats.begin()->second.collectives, 1u);  // fused
+  EXPECT_EQ(stats.begin()->second.tensors, 2u);
+}
+
+TEST(Runtime, ACudaTensorIsRefusedWhenCudaIsNotUsable) {
+  Fixture f;
+  if (f.rt->has_cuda()) GTEST_SKIP() << "this process can use CUDA";
+  std::vector<float> a{1};
+  std::vector<TensorEntry> entries;
+  entries.push_back(Entry("on_gpu", a, /*device=*/0));
+  std::vector<int64_t> handles;
+  Status s = f.rt->Enqueue(std::move(entries), nullptr, &handles);
+  EXPECT_EQ(s.type(), StatusType::kInvalidArgument);
+  EXPECT_NE(s.reason().find("'on_gpu' is on CUDA"), std::string::npos) << s.reason();
+  EXPECT_NE(s.reason().find("move the tensor to the CPU"), std::string::npos) << s.reason();
+  EXPECT_TRUE(handles.empty());
+}
+
+TEST(Runtime, ShutdownFailsWhatIsStillPendingAndRefusesMore) {
+  Fixture f;
+  f.rt->Shutdown();
+  std::vector<float> a{1};
+  std::vector<TensorEntry> entries;
+  entries.push_back(Entry("late", a));
+  std::vector<int64_t> handles;
+  Status s = f.rt->Enqueue(std::move(entries), nullptr, &handles);
+  EXPECT_EQ(s.type(), StatusType::kAborted);
+  EXPECT_NE(s.reason().find("shut down"), std::string::npos) << s.reason();
+}
+
+}  // namespace
+}  // namespace hvdz
