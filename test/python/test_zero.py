@@ -355,3 +355,22 @@ def _gather_bytes(n, esize):
     align = 64 // esize
     segment = sum(-(-(-(-p.numel() // n)) // align) * align for p in _model().parameters())
     return n * segment * esize
+
+
+def _chunked_init():
+    os.environ["HOROVOD_ZERO_INIT_CHUNK_BYTES"] = "64"  # 16 elements a chunk: every parameter spans several
+    try:
+        model = _model()
+        opt = hvd.DistributedZeroOptimizer(_adamw(model), model=model, stage=2)
+    finally:
+        os.environ.pop("HOROVOD_ZERO_INIT_CHUNK_BYTES")
+    path = opt.init_path
+    _train(model, opt, 1, "plain", None)
+    ref, _ = _reference(1, None)
+    return path, [_rel(p, q) for p, q in zip(model.parameters(), ref.parameters())]
+
+
+def test_chunked_initialisation_fallback_builds_the_same_shards(ranks):
+    for path, errs in ranks.run(_chunked_init):
+        assert path.startswith("chunked"), path
+        assert all(e < 1e-5 for e in errs), errs

@@ -25,6 +25,7 @@ from horovod_zero.torch.zero.loss_scale import LossScaler
 from horovod_zero.torch.zero.plan import build_plan
 
 _DOWNCAST_ENV = "HOROVOD_ZERO_DOWNCAST"
+_INIT_CHUNK_ENV = "HOROVOD_ZERO_INIT_CHUNK_BYTES"
 
 
 def _param_names(optimizer, model, named_parameters):
@@ -108,22 +109,53 @@ class DistributedZeroOptimizer:
 
     # --- construction ------------------------------------------------------
 
+    def _init_chunk(self):
+        """None: build on the device directly. Otherwise the number of elements per chunk
+        for the fallback, which stages each parameter through host memory so that its
+        device copy is freed before its new storage is allocated."""
+        forced = os.environ.get(_INIT_CHUNK_ENV)
+        if forced:
+            return max(1, int(forced) // 4)
+        if self._device.type != "cuda":
+            return None
+        free, _ = torch.cuda.mem_get_info(self._device)
+        biggest = max((p.numel() for p in self._params), default=0)
+        # Master and gradient shards in fp32, plus one parameter's new storage at a time.
+        need = 8 * sum(s.shard for s in self._shards) + 4 * biggest
+        return None if need < 0.9 * free else (64 << 20) // 4
+
+    def _rehome(self, s, p, master_slice, chunk):
+        """Moves p into zero-padded flat storage and fills its fp32 master shard."""
+        lo, hi = s.my_range(self._rank)
+        dtype = self._param_dtype or p.dtype
+        if chunk is None:
+            flat = p.detach().reshape(-1)
+            master_slice[:hi - lo].copy_(flat[lo:hi])
+            store = torch.zeros(s.padded, dtype=dtype, device=self._device)
+            store[:s.numel].copy_(flat)
+        else:
+            host = p.detach().reshape(-1).to("cpu", copy=True)
+            p.data = torch.empty(0, dtype=p.dtype, device=self._device)  # free the device copy first
+            store = torch.zeros(s.padded, dtype=dtype, device=self._device)
+            for a in range(0, s.numel, chunk):
+                b = min(a + chunk, s.numel)
+                store[a:b].copy_(host[a:b].to(self._device, non_blocking=False))
+            for a in range(lo, hi, chunk):
+                b = min(a + chunk, hi)
+                master_slice[a - lo:b - lo].copy_(host[a:b].to(self._device))
+        p.data = store[:s.numel].view(s.shape)  # the allgather lands here
+        return store
+
     def _build_buffers(self):
-        r = self._rank
+        chunk = self._init_chunk()
+        self.init_path = "device" if chunk is None else f"chunked ({chunk} elements)"
         for g, group in enumerate(self.optimizer.param_groups):
             total = sum(s.shard for s in self._plan[g])
             master = torch.zeros(total, dtype=torch.float32, device=self._device)
             grad = torch.zeros_like(master)
             views = []
             for s, p in zip(self._plan[g], group["params"]):
-                flat = p.detach().reshape(-1)
-                lo, hi = s.my_range(r)
-                master[s.offset:s.offset + hi - lo].copy_(flat[lo:hi])
-                dtype = self._param_dtype or p.dtype
-                store = torch.zeros(s.padded, dtype=dtype, device=self._device)
-                store[:s.numel].copy_(flat)
-                p.data = store[:s.numel].view(s.shape)  # the allgather lands here
-                self._stores.append(store)
+                self._stores.append(self._rehome(s, p, master[s.offset:s.offset + s.shard], chunk))
                 mp = torch.nn.Parameter(master[s.offset:s.offset + s.shard], requires_grad=p.requires_grad)
                 # A frozen parameter keeps grad None, so the inner optimizer skips it as torch would.
                 mp.grad = grad[s.offset:s.offset + s.shard] if p.requires_grad else None
