@@ -26,13 +26,12 @@ int64_t AlignUp(int64_t elems, int64_t elem_bytes) {
 }
 
 // Bytes a tensor adds to a fused buffer (padding aside).
-int64_t WireBytes(const Response& r, int size) {
+int64_t WireBytes(const Response& r) {
   int64_t elems = NumElements(r.shape);
   if (r.op == OpType::kAllgather) {
     elems = 0;
     for (auto d : r.first_dims) elems += d * RowElems(r.shape);
   }
-  (void)size;
   return elems * static_cast<int64_t>(DataTypeSize(r.out_dtype));
 }
 
@@ -52,7 +51,7 @@ int64_t ScatterFirstRow(int64_t dim0, int size, int rank) {
   return rank * (dim0 / size) + std::min<int64_t>(rank, dim0 % size);
 }
 
-std::vector<std::vector<size_t>> PlanFusion(const std::vector<Response>& resps, int size,
+std::vector<std::vector<size_t>> PlanFusion(const std::vector<Response>& resps,
                                             int64_t threshold_bytes) {
   std::vector<std::vector<size_t>> groups;
   std::vector<bool> taken(resps.size(), false);
@@ -60,10 +59,10 @@ std::vector<std::vector<size_t>> PlanFusion(const std::vector<Response>& resps, 
     if (taken[i] || !resps[i].ok()) continue;
     taken[i] = true;
     std::vector<size_t> g{i};
-    int64_t bytes = WireBytes(resps[i], size);
+    int64_t bytes = WireBytes(resps[i]);
     for (size_t j = i + 1; threshold_bytes > 0 && j < resps.size(); ++j) {
       if (taken[j] || !resps[j].ok() || !Compatible(resps[i], resps[j])) continue;
-      int64_t b = WireBytes(resps[j], size);
+      int64_t b = WireBytes(resps[j]);
       if (bytes + b > threshold_bytes) continue;
       bytes += b;
       taken[j] = true;

@@ -28,7 +28,7 @@ int64_t ScatterFirstRow(int64_t dim0, int size, int rank);
 // compatible (op, dtypes, device kind, reduce op, scales, root) and at most
 // `threshold_bytes` on the wire unless it is a single tensor. Deterministic, so
 // every rank computes the same groups from the same response list.
-std::vector<std::vector<size_t>> PlanFusion(const std::vector<Response>& resps, int size,
+std::vector<std::vector<size_t>> PlanFusion(const std::vector<Response>& resps,
                                             int64_t threshold_bytes);
 
 struct FusionLayout {

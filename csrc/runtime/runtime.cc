@@ -128,7 +128,7 @@ void Runtime::Execute(const std::vector<Response>& responses) {
     TensorEntry e;
     if (queue_.Take(r.name, &e)) e.callback(Status::PreconditionError(r.error));
   }
-  for (const auto& idx : PlanFusion(responses, world_.size, params_.fusion_threshold_bytes)) {
+  for (const auto& idx : PlanFusion(responses, params_.fusion_threshold_bytes)) {
     std::vector<const Response*> group;
     for (auto i : idx) group.push_back(&responses[i]);
     ExecuteGroup(group);

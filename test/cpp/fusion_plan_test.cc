@@ -19,7 +19,7 @@ TEST(FusionPlan, FusesCompatibleResponsesUpToTheThreshold) {
   std::vector<Response> rs{R("a", {10}), R("b", {10}, OpType::kAllreduce, DataType::kFloat16), R("c", {10}),
                            R("d", {100}), R("e", {5})};
   // a, c, e fit in 100 bytes (80 bytes); d (400 bytes) goes alone; b is another dtype.
-  auto g = PlanFusion(rs, 2, 100);
+  auto g = PlanFusion(rs, 100);
   ASSERT_EQ(g.size(), 3u);
   EXPECT_EQ(g[0], (std::vector<size_t>{0, 2, 4}));
   EXPECT_EQ(g[1], (std::vector<size_t>{1}));
@@ -29,7 +29,7 @@ TEST(FusionPlan, FusesCompatibleResponsesUpToTheThreshold) {
 TEST(FusionPlan, ZeroThresholdTurnsFusionOffAndErrorsAreLeftOut) {
   std::vector<Response> rs{R("a", {1}), R("b", {1}), R("c", {1})};
   rs[1].error = "bad";
-  auto g = PlanFusion(rs, 2, 0);
+  auto g = PlanFusion(rs, 0);
   ASSERT_EQ(g.size(), 2u);
   EXPECT_EQ(g[0], (std::vector<size_t>{0}));
   EXPECT_EQ(g[1], (std::vector<size_t>{2}));
@@ -39,7 +39,7 @@ TEST(FusionPlan, DifferentScalesOrRootsDoNotFuse) {
   std::vector<Response> rs{R("a", {1}), R("b", {1}), R("c", {1}, OpType::kBroadcast), R("d", {1}, OpType::kBroadcast)};
   rs[1].prescale = 2.0;
   rs[3].root = 1;
-  EXPECT_EQ(PlanFusion(rs, 2, 1 << 20).size(), 4u);
+  EXPECT_EQ(PlanFusion(rs, 1 << 20).size(), 4u);
 }
 
 TEST(FusionPlan, UnevenScatterGivesTheFirstRanksAnExtraRow) {
