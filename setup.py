@@ -54,7 +54,7 @@ setup(
     packages=find_packages(include=["horovod_zero", "horovod_zero.*"]),
     ext_modules=[CMakeExtension("horovod_zero._core")],
     cmdclass={"build_ext": CMakeBuild},
-    python_requires=">=3.9",
+    python_requires=">=3.10",
     install_requires=["torch>=2.11"],
     zip_safe=False,
 )

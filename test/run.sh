@@ -8,6 +8,10 @@ VENV_BIN=$(dirname "$PYTHON")
 export PATH="$VENV_BIN:$PATH" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 echo "== C++ tests (ctest)"
+if [ ! -x "$ROOT/build/cmake/test/cpp/hvdz_tests" ]; then
+  echo "The C++ tests were not built: GoogleTest is missing (Debian: apt-get install libgtest-dev)." >&2
+  exit 1
+fi
 (cd "$ROOT/build/cmake" && ctest --output-on-failure -j "$(nproc)")
 
 echo "== Python tests (pytest)"
