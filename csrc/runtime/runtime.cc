@@ -98,7 +98,7 @@ Status Runtime::ContextFor(const TensorEntry& e, DeviceContext** ctx) {
   return Status::OK();
 }
 
-void Runtime::ExecuteGroup(const std::vector<const Response*>& group) {
+void Runtime::ExecuteGroup(const std::vector<const Response*>& group, Clock::time_point negotiated) {
   std::vector<TensorEntry> entries;
   std::vector<const Response*> mine;
   auto now = Clock::now();
@@ -108,7 +108,11 @@ void Runtime::ExecuteGroup(const std::vector<const Response*>& group) {
       HVDZ_LOG(logger_, kError) << "Response for '" << r->name << "', which this rank never submitted.";
       continue;
     }
-    if (timeline_.enabled()) timeline_.Span(r->name, "NEGOTIATE", e.enqueued, now);
+    if (timeline_.enabled()) {
+      // NEGOTIATE: until every rank had it; QUEUE: behind earlier groups of this cycle.
+      timeline_.Span(r->name, "NEGOTIATE", e.enqueued, negotiated);
+      timeline_.Span(r->name, "QUEUE", negotiated, now);
+    }
     entries.push_back(std::move(e));
     mine.push_back(r);
   }
@@ -122,7 +126,7 @@ void Runtime::ExecuteGroup(const std::vector<const Response*>& group) {
   executor_.Execute(*ctx, mine, std::move(entries));
 }
 
-void Runtime::Execute(const std::vector<Response>& responses) {
+void Runtime::Execute(const std::vector<Response>& responses, Clock::time_point negotiated) {
   for (const auto& r : responses) {
     if (r.ok()) continue;
     TensorEntry e;
@@ -131,7 +135,7 @@ void Runtime::Execute(const std::vector<Response>& responses) {
   for (const auto& idx : PlanFusion(responses, params_.fusion_threshold_bytes)) {
     std::vector<const Response*> group;
     for (auto i : idx) group.push_back(&responses[i]);
-    ExecuteGroup(group);
+    ExecuteGroup(group, negotiated);
   }
 }
 
@@ -151,7 +155,7 @@ void Runtime::Loop() {
                                 "): " + s.reason());
       break;
     }
-    Execute(result.responses);
+    Execute(result.responses, Clock::now());
     if (result.shutdown) break;
     // Idle ranks cycle every HOROVOD_CYCLE_TIME. New work starts a cycle at once,
     // and a rank whose tensors wait on other ranks cycles again within 50 us:

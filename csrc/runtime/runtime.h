@@ -58,8 +58,8 @@ class Runtime {
 
  private:
   void Loop();
-  void Execute(const std::vector<Response>& responses);
-  void ExecuteGroup(const std::vector<const Response*>& group);
+  void Execute(const std::vector<Response>& responses, Clock::time_point negotiated);
+  void ExecuteGroup(const std::vector<const Response*>& group, Clock::time_point negotiated);
   Status ContextFor(const TensorEntry& e, DeviceContext** ctx);
   Status CheckDevice(const TensorEntry& e);
 

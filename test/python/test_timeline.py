@@ -24,9 +24,9 @@ def test_timeline_is_valid_json_with_phase_spans(tmp_path):
     spans = {(tracks[e["tid"]], e["name"]) for e in events if e.get("ph") == "X"}
     # A fused group has all four phases; a lone even allgather is gathered in place
     # into its output, so it has no copy-out.
-    expected = {"traced.0": ("NEGOTIATE", "COPY_IN", "COLLECTIVE", "COPY_OUT"),
-                "traced.1": ("NEGOTIATE", "COPY_IN", "COLLECTIVE", "COPY_OUT"),
-                "traced_gather": ("NEGOTIATE", "COPY_IN", "COLLECTIVE")}
+    expected = {"traced.0": ("NEGOTIATE", "QUEUE", "COPY_IN", "COLLECTIVE", "COPY_OUT"),
+                "traced.1": ("NEGOTIATE", "QUEUE", "COPY_IN", "COLLECTIVE", "COPY_OUT"),
+                "traced_gather": ("NEGOTIATE", "QUEUE", "COPY_IN", "COLLECTIVE")}
     for name, phases in expected.items():
         for phase in phases:
             assert (name, phase) in spans, (name, phase, sorted(spans))
