@@ -374,3 +374,20 @@ def test_chunked_initialisation_fallback_builds_the_same_shards(ranks):
     for path, errs in ranks.run(_chunked_init):
         assert path.startswith("chunked"), path
         assert all(e < 1e-5 for e in errs), errs
+
+
+def _different_starts():
+    """As in the README: ranks start from different weights, wrap, then broadcast."""
+    n, r = hvd.size(), hvd.rank()
+    model = _model(seed=100 + r)  # every rank different; rank 0's must win
+    opt = hvd.DistributedZeroOptimizer(_adamw(model), model=model, stage=2)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    _train(model, opt, 1, "plain", None)
+    ref = _model(seed=100)
+    _reference(1, None, model=ref, opt=_adamw(ref))
+    return [_rel(p, q) for p, q in zip(model.parameters(), ref.parameters())]
+
+
+def test_ranks_that_start_different_train_from_rank_0s_weights(ranks):
+    for errs in ranks.run(_different_starts):
+        assert all(e < 1e-5 for e in errs), errs

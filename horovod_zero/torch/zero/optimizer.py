@@ -88,6 +88,7 @@ class DistributedZeroOptimizer:
         self._plan = build_plan(optimizer.param_groups, names, self._size)
         self._shards = [s for g in self._plan for s in g]
         self._master, self._master_grad, self._stores = [], [], []
+        self._broadcast_initial_values()
         self._build_buffers()
         self._shard_of = {p: s for p, s in zip(self._params, self._shards)}
         self._delay = [self._bpps] * len(self._shards)
@@ -108,6 +109,18 @@ class DistributedZeroOptimizer:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
     # --- construction ------------------------------------------------------
+
+    def _broadcast_initial_values(self):
+        """Every rank starts from rank 0's values, as DDP does at construction. The fp32
+        master shards are built from them, so a broadcast_parameters() after wrapping
+        (which would reach the parameters but not the masters) changes nothing."""
+        with torch.no_grad():
+            handles = [mpi_ops.broadcast_async_(p.data, 0, name=f"zero.init.{i}") for i, p in enumerate(self._params)
+                       if p.is_contiguous()]
+            mpi_ops.synchronize(handles)
+            for i, p in enumerate(self._params):
+                if not p.is_contiguous():
+                    p.data = mpi_ops.broadcast(p.data.contiguous(), 0, name=f"zero.init.{i}")
 
     def _init_chunk(self):
         """None: build on the device directly. Otherwise the number of elements per chunk
