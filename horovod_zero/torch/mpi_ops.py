@@ -88,14 +88,27 @@ def poll(handle) -> bool:
 
 # --- allreduce ---------------------------------------------------------------
 
+def _differentiable(tensor):
+    return tensor.requires_grad and torch.is_grad_enabled()
+
+
+def _allreduce_async(tensor, name, op, prescale_factor, postscale_factor):
+    return _enqueue(_core.OP_ALLREDUCE, [tensor], [None], [name], op, prescale_factor, postscale_factor)[0]
+
+
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
     op = _resolve_op(op, average)
-    return _enqueue(_core.OP_ALLREDUCE, [tensor], [None], _names("allreduce", name, 1), op,
-                    prescale_factor, postscale_factor)[0]
+    return _allreduce_async(tensor, _names("allreduce", name, 1)[0], op, prescale_factor, postscale_factor)
 
 
 def allreduce(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
-    return synchronize(allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor))
+    """Differentiable when the input requires grad (Sum and Average)."""
+    op = _resolve_op(op, average)
+    name = _names("allreduce", name, 1)[0]
+    if _differentiable(tensor):
+        from horovod_zero.torch.autograd import Allreduce
+        return Allreduce.apply(tensor, name, op, prescale_factor, postscale_factor)
+    return synchronize(_allreduce_async(tensor, name, op, prescale_factor, postscale_factor))
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
@@ -132,16 +145,24 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
 
 # --- allgather ---------------------------------------------------------------
 
+def _allgather_async(tensor, name, output_dtype):
+    return _enqueue(_core.OP_ALLGATHER, [tensor], [None], [name], output_dtype=output_dtype)[0]
+
+
 def allgather_async(tensor, name=None, output_dtype=None):
     """Concatenates every rank's tensor along dim 0, in rank order. Dim 0 may differ
     between ranks. output_dtype casts while copying into the fusion buffer, so the
     narrower dtype is what crosses the wire."""
-    return _enqueue(_core.OP_ALLGATHER, [tensor], [None], _names("allgather", name, 1),
-                    output_dtype=output_dtype)[0]
+    return _allgather_async(tensor, _names("allgather", name, 1)[0], output_dtype)
 
 
 def allgather(tensor, name=None, output_dtype=None):
-    return synchronize(allgather_async(tensor, name, output_dtype))
+    """Differentiable when the input requires grad."""
+    name = _names("allgather", name, 1)[0]
+    if _differentiable(tensor):
+        from horovod_zero.torch.autograd import Allgather
+        return Allgather.apply(tensor, name, output_dtype)
+    return synchronize(_allgather_async(tensor, name, output_dtype))
 
 
 def grouped_allgather_async(tensors, name=None, output_dtype=None):
@@ -165,16 +186,26 @@ def _scatter_output(tensor):
     return tensor.new_empty((rows,) + tuple(tensor.shape[1:]))
 
 
+def _reducescatter_async(tensor, name, op, prescale_factor, postscale_factor):
+    return _enqueue(_core.OP_REDUCESCATTER, [tensor], [_scatter_output(tensor)], [name], op, prescale_factor,
+                    postscale_factor)[0]
+
+
 def reducescatter_async(tensor, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
     """Reduces over ranks, then splits along dim 0: rank r keeps its slice; the first
     dim0 % size ranks get one extra row."""
     op = _resolve_op(op, None)
-    return _enqueue(_core.OP_REDUCESCATTER, [tensor], [_scatter_output(tensor)], _names("reducescatter", name, 1),
-                    op, prescale_factor, postscale_factor)[0]
+    return _reducescatter_async(tensor, _names("reducescatter", name, 1)[0], op, prescale_factor, postscale_factor)
 
 
 def reducescatter(tensor, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
-    return synchronize(reducescatter_async(tensor, name, op, prescale_factor, postscale_factor))
+    """Differentiable when the input requires grad (Sum and Average)."""
+    op = _resolve_op(op, None)
+    name = _names("reducescatter", name, 1)[0]
+    if _differentiable(tensor):
+        from horovod_zero.torch.autograd import Reducescatter
+        return Reducescatter.apply(tensor, name, op, prescale_factor, postscale_factor)
+    return synchronize(_reducescatter_async(tensor, name, op, prescale_factor, postscale_factor))
 
 
 def grouped_reducescatter_async(tensors, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
@@ -190,12 +221,22 @@ def grouped_reducescatter(tensors, name=None, op=None, prescale_factor=1.0, post
 
 # --- broadcast ---------------------------------------------------------------
 
+def _broadcast_async(tensor, root_rank, name):
+    return _enqueue(_core.OP_BROADCAST, [tensor], [None], [name], root=root_rank)[0]
+
+
 def broadcast_async(tensor, root_rank, name=None):
-    return _enqueue(_core.OP_BROADCAST, [tensor], [None], _names("broadcast", name, 1), root=root_rank)[0]
+    return _broadcast_async(tensor, root_rank, _names("broadcast", name, 1)[0])
 
 
 def broadcast(tensor, root_rank, name=None):
-    return synchronize(broadcast_async(tensor, root_rank, name))
+    """Differentiable when the input requires grad: the root's input gets the sum of
+    every rank's gradient, the others' get zeros."""
+    name = _names("broadcast", name, 1)[0]
+    if _differentiable(tensor):
+        from horovod_zero.torch.autograd import Broadcast
+        return Broadcast.apply(tensor, root_rank, name)
+    return synchronize(_broadcast_async(tensor, root_rank, name))
 
 
 def broadcast_async_(tensor, root_rank, name=None):
