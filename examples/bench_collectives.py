@@ -11,13 +11,13 @@ Bus bandwidth = bytes * (size - 1) / size / time, as nccl-tests reports it.
 
 import argparse
 import os
-import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
 import horovod_zero.torch as hvd
+from bench_timing import median_time, sync
 
 LAYER = [2048 * 2048, 2048 * 512, 2048 * 512, 2048 * 2048, 2048 * 8192, 2048 * 8192, 8192 * 2048, 2048, 2048]
 
@@ -37,24 +37,8 @@ def tensor_sizes(total_bytes, elem_bytes, size):
     return out
 
 
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed(fn, iters, warmup=3):
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def timed(fn, iters):
+    return median_time(fn, iters, before_each=dist.barrier)
 
 
 def bench_bandwidth(total, dtype, iters):

@@ -10,7 +10,6 @@ peak max_memory_allocated over ranks.
 
 import argparse
 import os
-import statistics
 import time
 
 import torch
@@ -18,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import horovod_zero.torch as hvd
+from bench_timing import median_time, sync
 
 LLAMA_1B = dict(layers=16, d=2048, heads=32, kv_heads=8, ffn=8192, vocab=128256, seq=2048)
 TINY = dict(layers=2, d=64, heads=4, kv_heads=2, ffn=128, vocab=512, seq=64)
@@ -74,11 +74,6 @@ class Decoder(torch.nn.Module):
         return self.head(self.norm(x))
 
 
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def peak_gib():
     if not torch.cuda.is_available():
         return float("nan")
@@ -87,16 +82,7 @@ def peak_gib():
 
 
 def run_steps(step_fn, steps, warmup=3):
-    for _ in range(warmup):
-        step_fn()
-    sync()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step_fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_time(step_fn, steps, warmup)
 
 
 def build(cfg, dev):
@@ -169,8 +155,10 @@ def bench_coalescing(dev, width, layers, passes, steps):
             opt.zero_grad()
         hvd.collective_stats(reset=True)
         t = run_steps(step, steps, warmup=1)
-        rs = sum(s["collectives"] for s in hvd.collective_stats() if s["op"] == "reducescatter")
-        rows.append((coalesce, t, rs / (steps + 1)))
+        stats = [s for s in hvd.collective_stats() if s["op"] == "reducescatter"]
+        per_step = steps + 1  # one warm-up step
+        rows.append((coalesce, t, sum(s["tensors"] for s in stats) / per_step,
+                     sum(s["collectives"] for s in stats) / per_step))
     return rows
 
 
@@ -236,9 +224,9 @@ def main():
     extras = args.extras.split(",") if args.extras else []
     if "coalescing" in extras:
         width, layers = (64, 2) if args.tiny else (4096, 8)
-        for coalesce, t, rs in bench_coalescing(dev, width, layers, 4, args.steps):
+        for coalesce, t, tensors, calls in bench_coalescing(dev, width, layers, 4, args.steps):
             lines.append(f"coalescing={coalesce!s:5s} MLP {layers}x{width}, 4 passes: step {t*1e3:8.1f} ms, "
-                         f"{rs:.0f} reduce-scatter collectives per step")
+                         f"{tensors:.0f} tensors reduce-scattered in {calls:.1f} fused collectives per step")
     if "downcast" in extras:
         for mode, t, gathered in bench_downcast(cfg, args.micro_batch, args.steps, dev):
             lines.append(f"HOROVOD_ZERO_DOWNCAST={mode}: step {t*1e3:9.1f} ms, {gathered/2**20:9.1f} MiB allgathered per step")

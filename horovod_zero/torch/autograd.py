@@ -9,16 +9,18 @@ from horovod_zero.torch import mpi_ops
 from horovod_zero.torch.basics import rank, size
 
 
-def _scale(op, prescale, postscale):
-    return prescale * postscale / (size() if op == mpi_ops.Average else 1)
+def _reducing(ctx, what, name, op, prescale, postscale):
+    """Checks a reducing op is differentiable and keeps what its backward needs."""
+    if op not in (mpi_ops.Sum, mpi_ops.Average):
+        raise ValueError(f"Only Sum and Average {what}s are differentiable; detach() the input for Min/Max.")
+    ctx.name = name
+    ctx.scale = prescale * postscale / (size() if op == mpi_ops.Average else 1)
 
 
 class Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, prescale, postscale):
-        if op not in (mpi_ops.Sum, mpi_ops.Average):
-            raise ValueError("Only Sum and Average allreduces are differentiable; detach() the input for Min/Max.")
-        ctx.name, ctx.scale = name, _scale(op, prescale, postscale)
+        _reducing(ctx, "allreduce", name, op, prescale, postscale)
         return mpi_ops.synchronize(mpi_ops._allreduce_async(tensor, name, op, prescale, postscale))
 
     @staticmethod
@@ -46,9 +48,7 @@ class Allgather(torch.autograd.Function):
 class Reducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, prescale, postscale):
-        if op not in (mpi_ops.Sum, mpi_ops.Average):
-            raise ValueError("Only Sum and Average reducescatters are differentiable; detach() the input for Min/Max.")
-        ctx.name, ctx.scale = name, _scale(op, prescale, postscale)
+        _reducing(ctx, "reducescatter", name, op, prescale, postscale)
         return mpi_ops.synchronize(mpi_ops._reducescatter_async(tensor, name, op, prescale, postscale))
 
     @staticmethod
