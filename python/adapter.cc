@@ -191,8 +191,8 @@ class PyRuntime {
           return Status::OK();
         };
       }
-      auto input_ref = std::make_shared<at::Tensor>(in);
-      e.keepalive = std::make_shared<std::pair<std::shared_ptr<at::Tensor>, std::shared_ptr<at::Tensor>>>(input_ref, slot);
+      // The input and the output slot live until the collective is done.
+      e.keepalive = std::make_shared<std::pair<at::Tensor, std::shared_ptr<at::Tensor>>>(in, slot);
       if (in.is_cuda() && stream == nullptr) stream = CurrentCudaStream(in.device().index());
       entries.push_back(std::move(e));
       slots.push_back(slot);

@@ -20,12 +20,16 @@ class DeviceGuard {
  public:
   explicit DeviceGuard(int device) {
     cudaGetDevice(&prev_);
-    if (prev_ != device) cudaSetDevice(device);
+    changed_ = prev_ != device;
+    if (changed_) cudaSetDevice(device);
   }
-  ~DeviceGuard() { cudaSetDevice(prev_); }
+  ~DeviceGuard() {
+    if (changed_) cudaSetDevice(prev_);  // on the enqueue path: skip the call when nothing changed
+  }
 
  private:
   int prev_ = 0;
+  bool changed_ = false;
 };
 
 // [Note: CUDA completion]
