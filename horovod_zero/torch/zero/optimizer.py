@@ -248,6 +248,8 @@ class DistributedZeroOptimizer:
         """A parameter no rank had a gradient for this step gets grad None, so the inner
         optimizer skips it (no weight decay, no momentum) exactly as torch would."""
         trained = self._trained()
+        if not trained:
+            return
         # Small per-step allreduces stay on the parameters' device: on GPUs that is NCCL,
         # not Gloo's TCP pairs (~1 ms an op on an 8-GPU host).
         had = torch.tensor([1.0 if self._had_grad.get(s.index) else 0.0 for s, _ in trained], device=self._device)
