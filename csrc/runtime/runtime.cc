@@ -68,11 +68,7 @@ Status Runtime::Enqueue(std::vector<TensorEntry> entries, void* cuda_stream, std
     e.request.rank = world_.rank;
     e.enqueued = now;
     if (e.request.on_cuda()) e.ready_event = ready;
-    auto user_cb = std::move(e.callback);
-    e.callback = [this, h, user_cb](const Status& s) {
-      if (user_cb) user_cb(s);
-      handles_.MarkDone(h, s);
-    };
+    e.callback = [this, h](const Status& s) { handles_.MarkDone(h, s); };
   }
   Status s = queue_.Add(std::move(entries));
   if (!s.ok()) {

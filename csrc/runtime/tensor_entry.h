@@ -23,7 +23,7 @@ struct TensorEntry {
   OutputAllocator allocate_output;  // set when the caller passed no output
   std::shared_ptr<void> ready_event;  // CUDA: recorded on the producer's stream at enqueue
   std::shared_ptr<void> keepalive;    // framework objects that must outlive the collective
-  DoneCallback callback;
+  DoneCallback callback;             // set by Runtime::Enqueue: marks the entry's handle done
   Clock::time_point enqueued;
 };
 

@@ -7,10 +7,10 @@ namespace hvdz {
 Status TensorQueue::Add(std::vector<TensorEntry> entries) {
   std::lock_guard<std::mutex> lk(mu_);
   if (!closed_.ok()) return closed_;
-  std::unordered_set<std::string> seen;
+  std::unordered_set<std::string> seen;  // duplicates inside one batch: grouped calls only
   for (const auto& e : entries) {
     const auto& name = e.request.name;
-    if (table_.count(name) || !seen.insert(name).second) {
+    if (table_.count(name) || (entries.size() > 1 && !seen.insert(name).second)) {
       return Status::InvalidArgument(
           "A tensor named '" + name + "' is already in flight on this rank. Wait for its handle "
           "(synchronize) before submitting the same name again, or give each tensor its own name.");

@@ -1,6 +1,7 @@
 """Consolidated checkpoints: full fp32 parameters and optimizer state gathered on
 rank 0, loadable into a job of any size."""
 
+import itertools
 import os
 
 import torch
@@ -69,7 +70,7 @@ def _share(state, device):
         return x
 
     skeleton = broadcast_object(strip(state) if rank() == 0 else None, root_rank=0, name="zero.ckpt.structure")
-    counter = iter(range(1 << 62))
+    counter = itertools.count()
 
     def fill(x):
         if isinstance(x, _TensorSlot):
