@@ -9,6 +9,8 @@ peak max_memory_allocated over ranks.
 """
 
 import argparse
+import contextlib
+import gc
 import os
 import time
 
@@ -81,6 +83,15 @@ def peak_gib():
     return hvd.allreduce(peak, op=hvd.Max, name="bench.peak").item()
 
 
+def release_memory():
+    """Frees what the previous mode left (FSDP modules hold reference cycles), so
+    each mode's peak counts only its own tensors."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
 def run_steps(step_fn, steps, warmup=3):
     return median_time(step_fn, steps, warmup)
 
@@ -90,25 +101,52 @@ def build(cfg, dev):
     return Decoder(**cfg).to(dev)
 
 
-def bench_mode(mode, cfg, micro, steps, dev):
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+def profile_steps(step_fn, path, steps=3):
+    """CUDA kernel time of a few steps by kernel, to show where a step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step_fn()
+        sync()
+    if path is None:
+        return
+    with open(path, "w") as f:
+        f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+
+
+def phase_peaks(forward, update):
+    """Peak memory (GiB, max over ranks) of one more step's forward, backward and update,
+    and what each leaves allocated: where a mode's peak is, and what it holds there."""
+    if not torch.cuda.is_available():
+        return None
+    out = []
+    for phase in ("forward", "backward", "update"):
+        sync()
         torch.cuda.reset_peak_memory_stats()
+        if phase == "forward":
+            loss = forward()
+        elif phase == "backward":
+            loss.backward()
+            del loss
+        else:
+            update()
+        sync()
+        out.append((phase, peak_gib(), hvd.allreduce(torch.tensor([torch.cuda.memory_allocated() / 2**30]),
+                                                    op=hvd.Max, name="bench.held").item()))
+    return out
+
+
+def bench_mode(mode, cfg, micro, steps, dev, profile_dir=None, profile_modes=(), phases=False):
+    release_memory()
     model = build(cfg, dev)
     g = torch.Generator(device="cpu").manual_seed(hvd.rank())
     ids = torch.randint(0, cfg["vocab"], (micro, cfg["seq"] + 1), generator=g).to(dev)
     x, y = ids[:, :-1], ids[:, 1:]
-    amp = torch.autocast(dev.type, dtype=torch.bfloat16)
+    amp = torch.autocast(dev.type, dtype=torch.bfloat16) if mode == "ddp" else contextlib.nullcontext()
+    net = model
     if mode == "ddp":
         net = torch.nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.AdamW(net.parameters(), lr=1e-4, weight_decay=0.1)
-
-        def step():
-            with amp:
-                loss = F.cross_entropy(net(x).flatten(0, 1).float(), y.flatten())
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
     elif mode == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -116,24 +154,31 @@ def bench_mode(mode, cfg, micro, steps, dev):
             fully_shard(b, reshard_after_forward=False, mp_policy=mp)
         fully_shard(model, reshard_after_forward=False, mp_policy=mp)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
-
-        def step():
-            loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-    else:
-        stage = int(mode[-1])
+    else:  # zero1, zero2, zero2+overlap (the allgather overlapped with the next forward)
+        stage = int(mode.split("+")[0][-1])
         opt = hvd.DistributedZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1),
-                                           model=model, stage=stage, param_dtype=torch.bfloat16)
+                                           model=model, stage=stage, param_dtype=torch.bfloat16,
+                                           overlap_param_gather=mode.endswith("+overlap"))
 
-        def step():
-            loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
+    def forward():
+        with amp:
+            return F.cross_entropy(net(x).flatten(0, 1).float(), y.flatten())
+
+    def update():
+        opt.step()
+        opt.zero_grad()
+
+    def step():
+        forward().backward()
+        update()
+    # The training peak: from here on (construction's transient fp32 copies are not
+    # counted for any mode; the first step's lazy allocations are).
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     t = run_steps(step, steps)
-    out = (t, micro * cfg["seq"] / t, peak_gib())
+    out = (t, micro * cfg["seq"] / t, peak_gib(), phase_peaks(forward, update) if phases else None)
+    if profile_dir and mode in profile_modes:  # every rank steps; rank 0 writes
+        profile_steps(step, os.path.join(profile_dir, f"profile_{mode.replace('+', '_')}.txt") if hvd.rank() == 0 else None)
     del model, opt
     return out
 
@@ -175,7 +220,7 @@ def bench_downcast(cfg, micro, steps, dev):
     for mode in ("1", "0"):
         os.environ["HOROVOD_ZERO_DOWNCAST"] = mode
         hvd.collective_stats(reset=True)
-        t, _, _ = bench_mode("zero2", cfg, micro, steps, dev)
+        t, _, _, _ = bench_mode("zero2", cfg, micro, steps, dev)
         gathered = sum(s["bytes"] for s in hvd.collective_stats() if s["op"] == "allgather")
         rows.append((mode, t, gathered / (steps + 3)))
     os.environ.pop("HOROVOD_ZERO_DOWNCAST", None)
@@ -205,8 +250,11 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="a tiny model: a smoke test that runs on CPU too")
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--modes", default="ddp,fsdp2,zero1,zero2")
+    ap.add_argument("--modes", default="ddp,fsdp2,zero1,zero2,zero2+overlap")
     ap.add_argument("--extras", default="coalescing,downcast,init")
+    ap.add_argument("--phases", action="store_true", help="peak memory per phase of one extra step")
+    ap.add_argument("--profile", default="", help="modes to profile after timing (e.g. zero2,fsdp2)")
+    ap.add_argument("--profile-dir", default=os.environ.get("OUT", "."), help="where rank 0 writes the profiles")
     args = ap.parse_args()
     hvd.init()
     dev = hvd.device()
@@ -219,8 +267,11 @@ def main():
              f"{'tiny' if args.tiny else 'Llama-3.2-1B-shaped'} model, micro-batch {args.micro_batch}, "
              f"seq {cfg['seq']}"]
     for mode in args.modes.split(","):
-        t, tok, peak = bench_mode(mode, cfg, args.micro_batch, args.steps, dev)
-        lines.append(f"{mode:6s} step {t*1e3:9.1f} ms  {tok:10.0f} tokens/s/GPU  peak {peak:6.2f} GiB")
+        t, tok, peak, phases = bench_mode(mode, cfg, args.micro_batch, args.steps, dev, args.profile_dir,
+                                          args.profile.split(","), args.phases)
+        lines.append(f"{mode:13s} step {t*1e3:9.1f} ms  {tok:10.0f} tokens/s/GPU  peak {peak:6.2f} GiB")
+        if phases:
+            lines.append("    " + ", ".join(f"{ph} peak {pk:.2f} held {held:.2f}" for ph, pk, held in phases))
     extras = args.extras.split(",") if args.extras else []
     if "coalescing" in extras:
         width, layers = (64, 2) if args.tiny else (4096, 8)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine with torch installed (no network needed): build horovod_zero
-# from source, run the GPU tests, then the collective benchmark on every GPU.
+# from source, run the GPU tests, then the collective benchmarks on every GPU
+# (BENCH=0 skips them) and the ZeRO benchmark runs listed in ZERO_BENCH.
 # Logs go to $OUT when it is set (the device tool's output folder).
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -15,8 +16,8 @@ if [ -x /usr/bin/g++ ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX
 GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -2
 t0=$(date +%s)
-HVDZ_CMAKE_ARGS="-DHVDZ_BUILD_TESTS=OFF -DHVDZ_CUDA=ON" HVDZ_BUILD_JOBS=$(nproc) \
-  rm -rf build/cmake; python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+rm -rf build/cmake
+HVDZ_CMAKE_ARGS="-DHVDZ_BUILD_TESTS=OFF -DHVDZ_CUDA=ON" HVDZ_BUILD_JOBS=$(nproc) python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"
 rc=0
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
@@ -37,4 +38,12 @@ if [ "${BENCH:-1}" = 1 ]; then
   timeout 120 python3 -m torch.distributed.run --nproc_per_node="$GPUS" --master_port="$port" \
     examples/bench_latency.py 2>&1 | grep -v "^W1\|OMP_NUM" | tee "$OUT/latency.log" | tail -6
 fi
+# ZeRO benchmark runs, ';'-separated argument lists for examples/bench_zero.py.
+IFS=';' read -ra zero_runs <<< "${ZERO_BENCH:-}"
+for i in "${!zero_runs[@]}"; do
+  port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  PYTHONPATH="$ROOT/examples:$PYTHONPATH" timeout "${ZERO_BENCH_TIMEOUT:-300}" \
+    python3 -m torch.distributed.run --nproc_per_node="$GPUS" --master_port="$port" \
+    examples/bench_zero.py ${zero_runs[$i]} 2>&1 | grep -v "^W1\|OMP_NUM" | tee "$OUT/bench_zero_$i.log" | tail -14
+done
 exit $rc

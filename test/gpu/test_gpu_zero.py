@@ -19,9 +19,10 @@ def gpus():
 
 def _zero_on_gpu(stage, mode):
     n, r, dev = hvd.size(), hvd.rank(), hvd.device()
-    passes = {"plain": 1, "coalesce": 4}[mode]
+    passes = {"plain": 1, "coalesce": 4, "overlap": 1}[mode]
     model = cpu._model().to(dev)
-    opt = hvd.DistributedZeroOptimizer(cpu._adamw(model), model=model, stage=stage)
+    opt = hvd.DistributedZeroOptimizer(cpu._adamw(model), model=model, stage=stage,
+                                       overlap_param_gather=mode == "overlap")
     local = cpu.GLOBAL_BATCH // n
     for step in range(cpu.STEPS):
         ctx = opt.coalesce_grad_reduction() if mode == "coalesce" else cpu._nullcontext()
@@ -32,12 +33,13 @@ def _zero_on_gpu(stage, mode):
         opt.clip_grad_norm_(0.05)
         opt.step()
         opt.zero_grad()
+    opt.wait_for_params()  # the forward hooks waited in every step but the last
     ref, _ = cpu._reference(passes, 0.05)
     return [cpu._rel(p.cpu(), q) for p, q in zip(model.parameters(), ref.parameters())]
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-@pytest.mark.parametrize("mode", ["plain", "coalesce"])
+@pytest.mark.parametrize("mode", ["plain", "coalesce", "overlap"])
 def test_zero_on_cuda_matches_the_reference(gpus, stage, mode):
     for errs in gpus.run(_zero_on_gpu, stage, mode):
         assert all(e < 1e-5 for e in errs), errs

@@ -112,6 +112,72 @@ def test_matches_single_process_reference(ranks_fusion, stage, mode, clip):
         assert state_numel == shard_total and state_numel < total
 
 
+def _bucketed(bucket_bytes, passes):
+    os.environ["HOROVOD_ZERO_BUCKET_BYTES"] = str(bucket_bytes)
+    try:
+        model = _model()
+        opt = hvd.DistributedZeroOptimizer(_adamw(model), model=model, stage=2)
+    finally:
+        os.environ.pop("HOROVOD_ZERO_BUCKET_BYTES")
+    collectives = []
+    for step in range(STEPS):
+        hvd.collective_stats(reset=True)
+        _train(model, opt, passes, "perpass" if passes > 1 else "plain", None, steps=1, start=step)
+        collectives.append(sum(s["collectives"] for s in hvd.collective_stats() if s["op"] == "reducescatter"))
+    ref, _ = _reference(passes, None)
+    return collectives, [_rel(p, q) for p, q in zip(model.parameters(), ref.parameters())]
+
+
+@pytest.mark.parametrize("bucket_bytes", [0, 1 << 30])
+@pytest.mark.parametrize("passes", [1, 3])
+def test_stage2_gradient_buckets(ranks, bucket_bytes, passes):
+    """A bucket larger than the model holds every gradient of the step (of every
+    backward pass) until step(), then sends them as one fused collective; 0 sends
+    each as it is ready. Both match the reference."""
+    for collectives, errs in ranks.run(_bucketed, bucket_bytes, passes):
+        assert all(e < 1e-5 for e in errs), errs
+        if bucket_bytes:
+            assert collectives == [1] * STEPS, collectives
+
+
+def _dropped_optimizer_is_freed(overlap):
+    import gc
+    import weakref
+    model = _model()
+    opt = hvd.DistributedZeroOptimizer(_adamw(model), model=model, stage=2, overlap_param_gather=overlap)
+    _train(model, opt, 1, "plain", None, steps=1)
+    ref = weakref.ref(opt)
+    del opt
+    gc.collect()
+    _loss(model, *_batch(0, 0)).backward()  # the model keeps working without it
+    return ref() is None, all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_dropped_optimizer_is_freed_with_its_state(ranks, overlap):
+    """Hooks on the model must not keep the optimizer (its shards and state) alive."""
+    assert ranks.run(_dropped_optimizer_is_freed, overlap) == [(True, True)] * ranks.size
+
+
+def _overlapped_gather(stage):
+    """overlap_param_gather=True: step() leaves the gather in flight; the next
+    forward's hooks and state_dict() wait for it, so training still matches."""
+    model = _model()
+    opt = hvd.DistributedZeroOptimizer(_adamw(model), model=model, stage=stage, overlap_param_gather=True)
+    _train(model, opt, 1, "plain", None)
+    in_flight = len(opt._gathering)
+    state = model.state_dict()  # its pre-hook waits
+    ref, _ = _reference(1, None)
+    return in_flight, len(opt._gathering), [_rel(state[n], q) for n, q in ref.state_dict().items()]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_overlapped_param_gather_matches_the_reference(ranks_fusion, stage):
+    for in_flight, after, errs in ranks_fusion.run(_overlapped_gather, stage):
+        assert in_flight == 4 and after == 0
+        assert all(e < 1e-5 for e in errs), errs
+
+
 def _bf16_params():
     n, r = hvd.size(), hvd.rank()
     model = _model()
@@ -223,12 +289,15 @@ def _bad_zero_input():
             _loss(model2, *_batch(0, 0)).backward()
             opt.step()
     attempt("step_inside", step_inside)
+    attempt("overlap_no_model", lambda: hvd.DistributedZeroOptimizer(
+        _adamw(_model()), named_parameters=list(_model().named_parameters()), overlap_param_gather=True))
     return msgs
 
 
 def test_bad_input_is_refused_with_what_to_do(ranks):
     expect = {"stage": "stages 1 and 2", "foreign": "not a parameter of the model", "missing": "not in the optimizer",
-              "devices": "one device", "world_size": "load_checkpoint", "step_inside": "after the with-block"}
+              "devices": "one device", "world_size": "load_checkpoint", "step_inside": "after the with-block",
+              "overlap_no_model": "needs model="}
     for msgs in ranks.run(_bad_zero_input):
         for key, fragment in expect.items():
             assert msgs[key] is not None, f"{key} was accepted"

@@ -7,12 +7,19 @@
   allgathered straight into that buffer with output_dtype=param_dtype, so the
   downcast happens in the runtime's copy-in and param_dtype crosses the wire.
 - This rank's fp32 master shards of one param group live in one flat buffer;
-  the inner optimizer steps views of it (any torch.optim optimizer), with their
-  .grad views of a matching flat fp32 gradient buffer.
+  the inner optimizer steps views of it (any torch.optim optimizer).
 - Gradients are reduce-scattered (op=Average) from a zero-padded copy of the
   full gradient: stage 2 as each gradient becomes ready in backward (then the full
   gradient is freed), stage 1 when the step (or a coalescing block) needs them.
+  The fp32 gradient shards the inner optimizer reads exist only from the
+  reduction to zero_grad(): forward and backward, where activations peak, run
+  without them (as FSDP2's sharded gradients).
+- With overlap_param_gather=True, step() returns once the allgather is queued;
+  each module's forward pre-hook waits for its own parameters, so the gather of
+  later layers runs under the compute of earlier ones.
 """
+
+import weakref
 
 import contextlib
 import os
@@ -26,6 +33,7 @@ from horovod_zero.torch.zero.plan import build_plan
 
 _DOWNCAST_ENV = "HOROVOD_ZERO_DOWNCAST"
 _INIT_CHUNK_ENV = "HOROVOD_ZERO_INIT_CHUNK_BYTES"
+_BUCKET_ENV = "HOROVOD_ZERO_BUCKET_BYTES"
 
 
 def _param_names(optimizer, model, named_parameters):
@@ -52,6 +60,11 @@ def _param_names(optimizer, model, named_parameters):
     return names, opt_params
 
 
+def _remove_all(handles):
+    for h in handles:
+        h.remove()
+
+
 class DistributedZeroOptimizer:
     """Wraps a torch.optim optimizer with ZeRO sharding (stage 1 or 2).
 
@@ -65,11 +78,13 @@ class DistributedZeroOptimizer:
     """
 
     def __init__(self, optimizer, model=None, named_parameters=None, stage=2, param_dtype=None,
-                 reduce_dtype=None, backward_passes_per_step=1, loss_scaler=None):
+                 reduce_dtype=None, backward_passes_per_step=1, loss_scaler=None, overlap_param_gather=False):
         if stage not in (1, 2):
             raise ValueError(f"stage={stage!r}: DistributedZeroOptimizer supports ZeRO stages 1 and 2.")
         if backward_passes_per_step < 1:
             raise ValueError("backward_passes_per_step must be 1 or more.")
+        if overlap_param_gather and model is None:
+            raise ValueError("overlap_param_gather=True needs model=: the model's forward hooks wait for the gather.")
         if optimizer.state:
             raise ValueError("Wrap the optimizer before its first step: it already holds state.")
         self.optimizer = optimizer
@@ -87,7 +102,7 @@ class DistributedZeroOptimizer:
         self._params = params
         self._plan = build_plan(optimizer.param_groups, names, self._size)
         self._shards = [s for g in self._plan for s in g]
-        self._master, self._master_grad, self._stores = [], [], []
+        self._master, self._stores = [], []
         self._broadcast_initial_values()
         self._build_buffers()
         self._shard_of = {p: s for p, s in zip(self._params, self._shards)}
@@ -97,16 +112,24 @@ class DistributedZeroOptimizer:
         # so stage 2 never holds more than the gradients still in flight.
         self._pending = {}
         self._had_grad = {}  # shard index -> whether this rank had a gradient for it this step
+        self._bucket, self._bucket_bytes = [], 0  # stage 2: gradients taken, not yet submitted
+        self._bucket_limit = int(os.environ.get(_BUCKET_ENV, 32 << 20))
         self._reduced = False  # master grads hold this step's reduced gradients
         self._coalescing = False
         if loss_scaler is None and param_dtype == torch.float16:
             loss_scaler = LossScaler()
         self.loss_scaler = loss_scaler
         self._hooks = []
+        weakref.finalize(self, _remove_all, self._hooks)  # hooks go when the optimizer goes
+        self._gathering = {}  # shard index -> allgather handle still in flight (overlap_param_gather)
+        self._after_gather = {}  # shard index -> (store, fp32 copy) to cast once gathered (HOROVOD_ZERO_DOWNCAST=0)
+        self._overlap = bool(overlap_param_gather)
+        if self._overlap:
+            self._hook_forward(model)
         if stage == 2:
             for p in self._params:
                 if p.requires_grad:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._weak("_on_grad_ready")))
 
     # --- construction ------------------------------------------------------
 
@@ -165,28 +188,44 @@ class DistributedZeroOptimizer:
         for g, group in enumerate(self.optimizer.param_groups):
             total = sum(s.shard for s in self._plan[g])
             master = torch.zeros(total, dtype=torch.float32, device=self._device)
-            grad = torch.zeros_like(master)
             views = []
             for s, p in zip(self._plan[g], group["params"]):
                 self._stores.append(self._rehome(s, p, master[s.offset:s.offset + s.shard], chunk))
-                mp = torch.nn.Parameter(master[s.offset:s.offset + s.shard], requires_grad=p.requires_grad)
-                # A frozen parameter keeps grad None, so the inner optimizer skips it as torch would.
-                mp.grad = grad[s.offset:s.offset + s.shard] if p.requires_grad else None
-                views.append(mp)
+                views.append(torch.nn.Parameter(master[s.offset:s.offset + s.shard], requires_grad=p.requires_grad))
             group["params"] = views
             self._master.append(master)
-            self._master_grad.append(grad)
         self._master_params = [mp for g in self.optimizer.param_groups for mp in g["params"]]
-        self._grad_views = [mp.grad for mp in self._master_params]
+
+    def _hook_forward(self, model):
+        """Each module waits, before its forward, for the gather of the parameters it owns."""
+        for m in model.modules():
+            own = tuple(self._shard_of[p].index for p in m.parameters(recurse=False) if p in self._shard_of)
+            if own:
+                self._hooks.append(m.register_forward_pre_hook(self._weak("_wait_hook", own)))
+        # A state_dict() taken after step() must see the gathered values.
+        self._hooks.append(model.register_state_dict_pre_hook(self._weak("_wait_all_hook")))
+
+    def _weak(self, method, *bound):
+        """A hook that calls self.<method>(*bound, *args) without keeping self alive: the
+        tensors and modules it is registered on would otherwise hold the optimizer (and
+        its shards and state) for as long as the model lives."""
+        ref = weakref.ref(self)
+
+        def hook(*args):
+            opt = ref()
+            return None if opt is None else getattr(opt, method)(*bound, *args)
+        return hook
+
+    def _wait_all_hook(self, *_):
+        self.wait_for_params()
+
+    def _wait_hook(self, indices, module, args):
+        if self._gathering:
+            self.wait_for_params(indices)
 
     # --- gradient reduction ----------------------------------------------
 
-    def _reduce_dtype_of(self, p):
-        return self._reduce_dtype or (p.grad.dtype if p.grad is not None else p.dtype)
-
-    def _padded_grad(self, s, p):
-        dtype = self._reduce_dtype_of(p)
-        g = p.grad
+    def _padded_grad(self, s, g, dtype):
         if g is not None and s.numel == s.padded and g.dtype == dtype and g.is_contiguous():
             return g.view(-1)  # no padding needed: reduce-scatter it where it is
         buf = torch.zeros(s.padded, dtype=dtype, device=self._device)
@@ -194,29 +233,49 @@ class DistributedZeroOptimizer:
             buf[:s.numel].copy_(g.reshape(-1))
         return buf
 
-    def _submit(self, pairs):
-        """Reduce-scatters these (shard, param) pairs as one group."""
-        if not pairs:
+    def _take(self, s, p):
+        """Takes p's gradient for reduction: later backward passes start afresh."""
+        g, p.grad = p.grad, None
+        self._had_grad[s.index] = self._had_grad.get(s.index, False) or g is not None
+        return s, g, self._reduce_dtype or (g.dtype if g is not None else p.dtype)
+
+    def _submit(self, taken):
+        """Reduce-scatters these taken (shard, gradient, dtype) as one group."""
+        if not taken:
             return
-        ins = [self._padded_grad(s, p) for s, p in pairs]
-        outs = [b.new_empty(s.shard) for b, (s, _) in zip(ins, pairs)]
+        ins = [self._padded_grad(s, g, dtype) for s, g, dtype in taken]
+        outs = [b.new_empty(s.shard) for b, (s, _, _) in zip(ins, taken)]
         # The k-th reduction of a parameter in a step has its own name: every rank
         # runs the same backward passes, so the names agree.
-        names = [f"zero.grad.{s.index}.{len(self._pending.get(s.index, []))}" for s, _ in pairs]
+        names, seen = [], {}
+        for s, _, _ in taken:
+            k = len(self._pending.get(s.index, ())) + seen.get(s.index, 0)
+            seen[s.index] = seen.get(s.index, 0) + 1
+            names.append(f"zero.grad.{s.index}.{k}")
+        # The runtime holds the inputs until their collective is done, then frees them.
         handles = mpi_ops._enqueue(_core.OP_REDUCESCATTER, ins, outs, names, mpi_ops.Average)
-        for h, (s, p) in zip(handles, pairs):
+        for h, (s, _, _) in zip(handles, taken):
             self._pending.setdefault(s.index, []).append(h)
-            self._had_grad[s.index] = self._had_grad.get(s.index, False) or p.grad is not None
-            p.grad = None  # consumed: only the shard is kept, and later passes start afresh
 
     def _on_grad_ready(self, p):
         if self._coalescing:
             return
         s = self._shard_of[p]
         self._delay[s.index] -= 1
-        if self._delay[s.index] <= 0:
-            self._delay[s.index] = self._bpps
-            self._submit([(s, p)])
+        if self._delay[s.index] > 0:
+            return
+        self._delay[s.index] = self._bpps
+        # Gradients wait in a bucket until it holds HOROVOD_ZERO_BUCKET_BYTES: one group
+        # of several tensors fuses into one large collective instead of many small ones.
+        taken = self._take(s, p)
+        self._bucket.append(taken)
+        self._bucket_bytes += s.padded * taken[2].itemsize
+        if self._bucket_bytes >= self._bucket_limit:
+            self._flush_bucket()
+
+    def _flush_bucket(self):
+        bucket, self._bucket, self._bucket_bytes = self._bucket, [], 0
+        self._submit(bucket)
 
     def _trained(self):
         return [(s, p) for s, p in zip(self._shards, self._params) if p.requires_grad]
@@ -224,38 +283,45 @@ class DistributedZeroOptimizer:
     def _submit_rest(self):
         # Every rank must submit every trained parameter, also those without a gradient
         # here; and gradient accumulated since a parameter's last reduction goes too.
-        self._submit([(s, p) for s, p in self._trained() if s.index not in self._pending or p.grad is not None])
+        self._flush_bucket()
+        self._submit([self._take(s, p) for s, p in self._trained() if s.index not in self._pending or p.grad is not None])
 
     def _finish_reduction(self):
         if self._reduced:
             return
         self._submit_rest()
         unscale = 1.0 / self.loss_scaler.scale if self.loss_scaler else 1.0
-        for s, _ in self._trained():
-            g = self._master_grad[s.group][s.offset:s.offset + s.shard]
-            g.zero_()
-            for h in self._pending[s.index]:  # one per reduction this step: their sum
-                g.add_(mpi_ops.synchronize(h))
+        trained = self._trained()
+        had = self._had_grad_anywhere(trained)
+        for (s, _), flag in zip(trained, had):
+            outs = [mpi_ops.synchronize(h) for h in self._pending[s.index]]  # one per reduction this step
+            if not flag:
+                # No rank had a gradient: grad None, so the inner optimizer skips the parameter
+                # (no weight decay, no momentum) exactly as torch would.
+                self._master_params[s.index].grad = None
+                continue
+            g = outs[0].float()  # the fp32 shard; no copy when the reduction already was fp32
+            for o in outs[1:]:
+                g.add_(o)
             if unscale != 1.0:
                 g.mul_(unscale)  # in fp32: the scaled fp16 values are exact, the unscaled ones may not be
-        self._skip_gradless()
+            self._master_params[s.index].grad = g
         self._pending.clear()
         self._had_grad.clear()
         self._delay = [self._bpps] * len(self._shards)
         self._reduced = True
 
-    def _skip_gradless(self):
-        """A parameter no rank had a gradient for this step gets grad None, so the inner
-        optimizer skips it (no weight decay, no momentum) exactly as torch would."""
-        trained = self._trained()
+    def _had_grad_anywhere(self, trained):
+        """Per trained parameter, whether any rank had a gradient for it this step."""
         if not trained:
-            return
+            return []
         # Small per-step allreduces stay on the parameters' device: on GPUs that is NCCL,
         # not Gloo's TCP pairs (~1 ms an op on an 8-GPU host).
         had = torch.tensor([1.0 if self._had_grad.get(s.index) else 0.0 for s, _ in trained], device=self._device)
-        any_rank = mpi_ops.allreduce(had, op=mpi_ops.Max, name="zero.had_grad")
-        for (s, _), flag in zip(trained, any_rank.tolist()):
-            self._master_params[s.index].grad = self._grad_views[s.index] if flag else None
+        return [f > 0 for f in mpi_ops.allreduce(had, op=mpi_ops.Max, name="zero.had_grad").tolist()]
+
+    def _grads(self):
+        return [mp.grad for mp in self._master_params if mp.grad is not None]
 
     @contextlib.contextmanager
     def coalesce_grad_reduction(self):
@@ -278,12 +344,14 @@ class DistributedZeroOptimizer:
         if float(norm_type) != 2.0:
             raise ValueError("clip_grad_norm_ supports norm_type=2 only.")
         self._finish_reduction()
-        local = torch.stack([g.double().pow(2).sum() for g in self._master_grad]).sum().reshape(1)
+        grads = self._grads()
+        local = torch.zeros(1, dtype=torch.float64, device=self._device)
+        if grads:
+            local += torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
         total = mpi_ops.allreduce(local, op=mpi_ops.Sum, name="zero.grad_norm").sqrt()[0]
         coef = float(max_norm) / (float(total) + 1e-6)
-        if coef < 1.0:
-            for g in self._master_grad:
-                g.mul_(coef)
+        if coef < 1.0 and grads:
+            torch._foreach_mul_(grads, coef)
         return total.float()
 
     def step(self, closure=None):
@@ -292,13 +360,14 @@ class DistributedZeroOptimizer:
                                "when it exits. Call step() after the with-block.")
         self._finish_reduction()
         self._reduced = False
+        self.wait_for_params()  # the inner step writes the master shards a gather may still read
         if self.loss_scaler is not None:
             found_inf = self._found_inf()
             self.loss_scaler.update(found_inf)
             if found_inf:  # every rank skips: the weights stay as they are
                 return None
         loss = self.optimizer.step(closure)
-        self._gather_params()
+        self._gather_params(wait=not self._overlap)
         return loss
 
     def scale_loss(self, loss):
@@ -306,16 +375,19 @@ class DistributedZeroOptimizer:
         return loss * self.loss_scaler.scale if self.loss_scaler is not None else loss
 
     def _found_inf(self):
-        finite = torch.stack([torch.isfinite(g).all() for g in self._master_grad]).all()
-        local = (~finite).float().reshape(1)
+        grads = self._grads()
+        finite = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
+        local = (~finite).float().reshape(1).to(self._device)
         return bool(mpi_ops.allreduce(local, op=mpi_ops.Max, name="zero.found_inf").item())
 
-    def _gather_params(self):
+    def _gather_params(self, wait=True):
+        """Allgathers the master shards into the parameters. wait=False leaves the
+        handles for wait_for_params() (the forward hooks, or the next step)."""
+        self.wait_for_params()
         downcast = os.environ.get(_DOWNCAST_ENV, "1") != "0"
         by_dtype = {}
         for s, store in zip(self._shards, self._stores):
             by_dtype.setdefault(store.dtype, []).append(s)
-        handles, copies = [], []
         for dtype, shards in by_dtype.items():
             ins = [self._master_params[s.index] for s in shards]
             if downcast:
@@ -323,20 +395,34 @@ class DistributedZeroOptimizer:
                 out_dtype = dtype
             else:  # gather fp32 and cast afterwards, to compare bytes and time
                 outs = [torch.empty(s.padded, dtype=torch.float32, device=self._device) for s in shards]
-                copies += [(self._stores[s.index], o) for s, o in zip(shards, outs)]
+                self._after_gather.update({s.index: (self._stores[s.index], o) for s, o in zip(shards, outs)})
                 out_dtype = None
             names = [f"zero.param.{s.index}" for s in shards]
-            handles += mpi_ops._enqueue(_core.OP_ALLGATHER, [i.detach() for i in ins], outs, names,
-                                        output_dtype=out_dtype)
-        mpi_ops.synchronize(handles)
-        for store, full in copies:
-            store.copy_(full)
+            handles = mpi_ops._enqueue(_core.OP_ALLGATHER, [i.detach() for i in ins], outs, names,
+                                       output_dtype=out_dtype)
+            self._gathering.update({s.index: h for s, h in zip(shards, handles)})
+        if wait:
+            self.wait_for_params()
+
+    def wait_for_params(self, indices=None):
+        """Waits until the parameters hold the values of the last step (all of them, or
+        the shards at `indices`). Only needed with overlap_param_gather=True, before
+        reading parameters outside the model's forward or state_dict()."""
+        for i in list(self._gathering) if indices is None else indices:
+            h = self._gathering.pop(i, None)
+            if h is None:
+                continue
+            mpi_ops.synchronize(h)
+            if i in self._after_gather:
+                store, full = self._after_gather.pop(i)
+                store.copy_(full)
 
     def zero_grad(self, set_to_none=True):
+        """Frees the gradients: the full ones on the model and the fp32 shards."""
         for p in self._params:
             p.grad = None
-        for g in self._master_grad:
-            g.zero_()
+        for mp in self._master_params:
+            mp.grad = None
 
     # --- state -------------------------------------------------------------
 
@@ -350,6 +436,7 @@ class DistributedZeroOptimizer:
 
     def state_dict(self):
         """This rank's shard: its master weights and inner optimizer state."""
+        self.wait_for_params()
         return {"zero": {"world_size": self._size, "rank": self._rank, "stage": self.stage,
                          "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None},
                 "master": [m.detach().clone() for m in self._master],
