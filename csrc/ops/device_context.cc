@@ -19,6 +19,12 @@ Status CpuContext::FusionBuffer(size_t bytes, void** ptr) {
   return Status::OK();
 }
 
+Status CpuContext::ReleaseFusionBuffer() {
+  buffer_holder_.reset();
+  buffer_ = TensorDesc();
+  return Status::OK();
+}
+
 void CpuContext::Finish(std::vector<TensorEntry> entries, const Status& s) {
   for (auto& e : entries)
     if (e.callback) e.callback(s);

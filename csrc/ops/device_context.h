@@ -21,6 +21,8 @@ class DeviceContext {
   virtual Status Copy(const std::vector<CopyDesc>& descs, DataType src, DataType dst, double scale) = 0;
   // At least `bytes` of scratch that lives across cycles; later calls may move it.
   virtual Status FusionBuffer(size_t bytes, void** ptr) = 0;
+  // Frees the fusion buffer once the work queued on it is done.
+  virtual Status ReleaseFusionBuffer() = 0;
   // Reports `s` to every entry once the work queued for them has finished.
   virtual void Finish(std::vector<TensorEntry> entries, const Status& s) = 0;
 };
@@ -33,6 +35,7 @@ class CpuContext : public DeviceContext {
   Status WaitForInputs(const std::vector<TensorEntry>&) override { return Status::OK(); }
   Status Copy(const std::vector<CopyDesc>& descs, DataType src, DataType dst, double scale) override;
   Status FusionBuffer(size_t bytes, void** ptr) override;
+  Status ReleaseFusionBuffer() override;
   void Finish(std::vector<TensorEntry> entries, const Status& s) override;
 
  private:

@@ -36,9 +36,14 @@ Status Executor::Allreduce(DeviceContext& ctx, Plan& p) {
   const Response& r = *p.group.front();
   const bool single = p.entries.size() == 1;
   auto& e = p.entries[0];
-  if (!single || e.input.data != e.output.data || r.prescale != 1.0) return FusedFlat(ctx, p, true);
-  // A lone in-place tensor is reduced where it is.
+  if (!single) return FusedFlat(ctx, p, true);
+  // A lone tensor is reduced in its output, copied there first unless in place.
   auto t0 = Clock::now();
+  if (e.input.data != e.output.data || r.prescale != 1.0 || r.dtype != r.out_dtype) {
+    HVDZ_RETURN_IF_ERROR(ctx.Copy({{e.input.data, e.output.data, e.output.numel()}}, r.dtype, r.out_dtype, r.prescale));
+    Mark(p, "COPY_IN", t0);
+    t0 = Clock::now();
+  }
   HVDZ_RETURN_IF_ERROR(ctx.comm().Allreduce(e.output.data, e.output.numel(), r.out_dtype, p.op));
   Count(p, e.output.numel());
   Mark(p, "COLLECTIVE", t0);
@@ -50,7 +55,28 @@ Status Executor::Allreduce(DeviceContext& ctx, Plan& p) {
   return Status::OK();
 }
 
-Status Executor::Broadcast(DeviceContext& ctx, Plan& p) { return FusedFlat(ctx, p, rank_ == p.group.front()->root); }
+Status Executor::Broadcast(DeviceContext& ctx, Plan& p) {
+  const Response& r = *p.group.front();
+  const bool root = rank_ == r.root;
+  if (p.entries.size() != 1) return FusedFlat(ctx, p, root);
+  // A lone tensor is broadcast in its output (the root copies its input there first).
+  auto& e = p.entries[0];
+  auto t0 = Clock::now();
+  if (root && (e.input.data != e.output.data || r.dtype != r.out_dtype)) {
+    HVDZ_RETURN_IF_ERROR(ctx.Copy({{e.input.data, e.output.data, e.output.numel()}}, r.dtype, r.out_dtype, 1.0));
+    Mark(p, "COPY_IN", t0);
+    t0 = Clock::now();
+  }
+  HVDZ_RETURN_IF_ERROR(ctx.comm().Broadcast(e.output.data, e.output.numel(), r.out_dtype, r.root));
+  Count(p, e.output.numel());
+  Mark(p, "COLLECTIVE", t0);
+  return Status::OK();
+}
+
+Status Executor::Buffer(DeviceContext& ctx, int64_t bytes, void** ptr) {
+  oversize_ = oversize_ || bytes > keep_buffer_bytes_;
+  return ctx.FusionBuffer(static_cast<size_t>(bytes), ptr);
+}
 
 Status Executor::FusedFlat(DeviceContext& ctx, Plan& p, bool copy_in) {
   const Response& r = *p.group.front();
@@ -58,7 +84,7 @@ Status Executor::FusedFlat(DeviceContext& ctx, Plan& p, bool copy_in) {
   auto t0 = Clock::now();
   FusionLayout L = ComputeLayout(p.group, size_);
   void* buf = nullptr;
-  HVDZ_RETURN_IF_ERROR(ctx.FusionBuffer(L.total_elems * DataTypeSize(r.out_dtype), &buf));
+  HVDZ_RETURN_IF_ERROR(Buffer(ctx, L.total_elems * DataTypeSize(r.out_dtype), &buf));
   std::vector<CopyDesc> in, out;
   for (size_t i = 0; i < p.entries.size(); ++i) {
     char* slot = At(buf, L.offset[i][0], r.out_dtype);
@@ -99,7 +125,7 @@ Status Executor::Allgather(DeviceContext& ctx, Plan& p) {
   FusionLayout L = ComputeLayout(p.group, size_);
   const int64_t S = L.segment_elems;
   void* buf = nullptr;
-  HVDZ_RETURN_IF_ERROR(ctx.FusionBuffer(L.total_elems * DataTypeSize(r.out_dtype), &buf));
+  HVDZ_RETURN_IF_ERROR(Buffer(ctx, L.total_elems * DataTypeSize(r.out_dtype), &buf));
   std::vector<CopyDesc> in, out;
   for (size_t i = 0; i < p.entries.size(); ++i) {
     in.push_back({p.entries[i].input.data, At(buf, rank_ * S + L.offset[i][rank_], r.out_dtype), L.count[i][rank_]});
@@ -140,7 +166,7 @@ Status Executor::Reducescatter(DeviceContext& ctx, Plan& p) {
   const int64_t S = L.segment_elems;
   void* buf = nullptr;
   // size() send segments, then one receive segment.
-  HVDZ_RETURN_IF_ERROR(ctx.FusionBuffer((L.total_elems + S) * DataTypeSize(r.out_dtype), &buf));
+  HVDZ_RETURN_IF_ERROR(Buffer(ctx, (L.total_elems + S) * DataTypeSize(r.out_dtype), &buf));
   char* recv = At(buf, L.total_elems, r.out_dtype);
   std::vector<CopyDesc> in, out;
   for (size_t i = 0; i < p.entries.size(); ++i) {
@@ -185,6 +211,11 @@ void Executor::Execute(DeviceContext& ctx, const std::vector<const Response*>& g
     p.postscale = r.postscale / size_;
   }
   Status s = Run(ctx, p);
+  if (oversize_) {
+    Status r = ctx.ReleaseFusionBuffer();
+    if (s.ok()) s = r;
+    oversize_ = false;
+  }
   ctx.Finish(std::move(entries), s);
 }
 

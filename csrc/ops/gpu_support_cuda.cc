@@ -87,6 +87,13 @@ class CudaContext : public DeviceContext {
     return Status::OK();
   }
 
+  Status ReleaseFusionBuffer() override {
+    HVDZ_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(comm_->stream()), "cudaStreamSynchronize"));
+    buffer_holder_.reset();
+    buffer_ = TensorDesc();
+    return Status::OK();
+  }
+
   void Finish(std::vector<TensorEntry> entries, const Status& s) override {
     InFlight f{nullptr, std::move(entries), s, Clock::now()};
     Status rec = CudaStatus(cudaEventCreateWithFlags(&f.done, cudaEventDisableTiming), "cudaEventCreate");

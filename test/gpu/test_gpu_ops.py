@@ -174,3 +174,31 @@ def _direct_groups():
 def test_direct_nccl_groups_for_a_few_large_tensors(gpus):
     for stats in gpus.run(_direct_groups):
         assert stats == [("allgather", 1, 5), ("allgather", 1, 5), ("allreduce", 1, 5), ("reducescatter", 2, 10)], stats
+
+
+def _large_lone_tensors():
+    """Lone tensors larger than the fusion threshold: a broadcast and an out-of-place
+    allreduce run in their outputs, and an uneven allgather's oversized buffer is
+    freed after it, so no buffer of their size stays allocated for the job."""
+    n, r, dev = hvd.size(), hvd.rank(), hvd.device()
+    big = 80 << 20  # elements: 320 MiB of fp32, above twice the 128 MiB default threshold
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    t = torch.full((big,), float(r + 1), device=dev)
+    hvd.broadcast_(t, root_rank=n - 1, name="big.bcast")
+    out = hvd.allreduce(t, op=hvd.Sum, name="big.ar")
+    rows = (r + 1) * (40 << 20)
+    g = hvd.allgather(torch.full((rows,), float(r), device=dev), name="big.ag")
+    torch.cuda.synchronize()
+    live = sum(x.numel() * x.element_size() for x in (t, out, g))
+    extra = torch.cuda.memory_allocated() - base - live
+    ok = (bool((t == n).all()) and bool((out == n * n).all())
+          and all(bool((g[sum((k + 1) * (40 << 20) for k in range(k0)):][:(k0 + 1) * (40 << 20)] == k0).all())
+                  for k0 in range(n)))
+    return ok, extra
+
+
+def test_large_lone_tensors_hold_no_buffer_of_their_size(gpus):
+    for ok, extra in gpus.run(_large_lone_tensors):
+        assert ok
+        assert extra < 64 << 20, f"{extra / 2**20:.0f} MiB held beyond the tensors"
