@@ -45,6 +45,34 @@ def test_zero_on_cuda_matches_the_reference(gpus, stage, mode):
         assert all(e < 1e-5 for e in errs), errs
 
 
+def _on_gpu(fn, *args):
+    """Runs one of the CPU tests' workers with its models and batches on this rank's GPU."""
+    cpu.DEVICE = hvd.device()
+    try:
+        return fn(*args)
+    finally:
+        cpu.DEVICE = torch.device("cpu")
+
+
+@pytest.mark.parametrize("stage,mode", [(1, "bpps"), (2, "bpps"), (2, "perpass")])
+def test_accumulation_modes_on_cuda_match_the_reference(gpus, stage, mode):
+    for errs, counts, _ in gpus.run(_on_gpu, cpu._check_against_reference, stage, mode, None):
+        assert all(e < 1e-5 for e in errs.values()), errs
+        assert counts == [4 * (3 if mode == "perpass" and stage == 2 else 1)] * cpu.STEPS, counts
+
+
+def test_tied_frozen_and_gradless_parameters_on_cuda(gpus):
+    for errs, frozen_same, unused_same in gpus.run(_on_gpu, cpu._tied_frozen_unused):
+        assert all(e < 1e-5 for e in errs.values()), errs
+        assert frozen_same and unused_same
+
+
+def test_fp16_overflow_skips_the_step_on_cuda(gpus):
+    for skipped, scale0, scale1, errs in gpus.run(_on_gpu, cpu._fp16_loss_scaling):
+        assert skipped and scale1 == scale0 * 0.5
+        assert all(e < 5e-3 for e in errs), errs
+
+
 def _bf16_on_gpu():
     dev = hvd.device()
     model = cpu._model().to(dev)

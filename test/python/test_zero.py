@@ -11,12 +11,15 @@ from harness import launch
 
 GLOBAL_BATCH = 12  # divisible by 2 and 3
 STEPS = 4
+# Where models and batches are made: the GPU tests run these same functions with it set
+# to the rank's GPU (test/gpu/test_gpu_zero.py).
+DEVICE = torch.device("cpu")
 
 
 def _model(seed=0):
     torch.manual_seed(seed)
     # Odd sizes: shards are padded on every world size used here.
-    return torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.GELU(), torch.nn.Linear(33, 7))
+    return torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.GELU(), torch.nn.Linear(33, 7)).to(DEVICE)
 
 
 def _adamw(model):
@@ -28,7 +31,7 @@ def _adamw(model):
 
 def _batch(step, micro):
     g = torch.Generator().manual_seed(1000 * step + micro)
-    return torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randn(GLOBAL_BATCH, 7, generator=g)
+    return torch.randn(GLOBAL_BATCH, 16, generator=g).to(DEVICE), torch.randn(GLOBAL_BATCH, 7, generator=g).to(DEVICE)
 
 
 def _loss(model, x, y):
@@ -77,7 +80,7 @@ class _nullcontext:
 
 
 def _rel(a, b):
-    a, b = a.detach().double(), b.detach().double()
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
@@ -317,6 +320,7 @@ class _Tied(torch.nn.Module):
         self.frozen = torch.nn.Linear(6, 6)
         self.frozen.requires_grad_(False)
         self.unused = torch.nn.Linear(6, 6)
+        self.to(DEVICE)
 
     def forward(self, ids):
         h = self.emb(ids)
@@ -325,7 +329,8 @@ class _Tied(torch.nn.Module):
 
 def _tied_batch(step):
     g = torch.Generator().manual_seed(step)
-    return torch.randint(0, 11, (GLOBAL_BATCH, 5), generator=g), torch.randint(0, 11, (GLOBAL_BATCH * 5,), generator=g)
+    return (torch.randint(0, 11, (GLOBAL_BATCH, 5), generator=g).to(DEVICE),
+            torch.randint(0, 11, (GLOBAL_BATCH * 5,), generator=g).to(DEVICE))
 
 
 def _tied_run(model, opt, ranks_slice):
