@@ -76,11 +76,15 @@ class Decoder(torch.nn.Module):
         return self.head(self.norm(x))
 
 
+def max_gib(nbytes, name):
+    """nbytes in GiB, the largest over ranks."""
+    return hvd.allreduce(torch.tensor([nbytes / 2**30]), op=hvd.Max, name=name).item()
+
+
 def peak_gib():
     if not torch.cuda.is_available():
         return float("nan")
-    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30])
-    return hvd.allreduce(peak, op=hvd.Max, name="bench.peak").item()
+    return max_gib(torch.cuda.max_memory_allocated(), "bench.peak")
 
 
 def release_memory():
@@ -89,7 +93,6 @@ def release_memory():
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
 
 
 def run_steps(step_fn, steps, warmup=3):
@@ -131,8 +134,7 @@ def phase_peaks(forward, update):
         else:
             update()
         sync()
-        out.append((phase, peak_gib(), hvd.allreduce(torch.tensor([torch.cuda.memory_allocated() / 2**30]),
-                                                    op=hvd.Max, name="bench.held").item()))
+        out.append((phase, peak_gib(), max_gib(torch.cuda.memory_allocated(), "bench.held")))
     return out
 
 
@@ -192,7 +194,7 @@ def bench_coalescing(dev, width, layers, passes, steps):
     rows = []
     for coalesce in (False, True):
         def step():
-            ctx = opt.coalesce_grad_reduction() if coalesce else _Null()
+            ctx = opt.coalesce_grad_reduction() if coalesce else contextlib.nullcontext()
             with ctx:
                 for _ in range(passes):
                     model(x).float().pow(2).mean().backward()
@@ -205,14 +207,6 @@ def bench_coalescing(dev, width, layers, passes, steps):
         rows.append((coalesce, t, sum(s["tensors"] for s in stats) / per_step,
                      sum(s["collectives"] for s in stats) / per_step))
     return rows
-
-
-class _Null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False
 
 
 def bench_downcast(cfg, micro, steps, dev):

@@ -13,6 +13,7 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 # image's newer CXX (seen: /opt/gcc) emits code for a newer libstdc++ than the
 # system one python and torch use, and iostreams then crash inside the module.
 if [ -x /usr/bin/g++ ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++; fi
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -2
 t0=$(date +%s)
@@ -24,24 +25,24 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   (cd test && timeout 400 python3 -m pytest -q -ra gpu ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15) || rc=1
 fi
 if [ "${BENCH:-1}" = 1 ]; then
-  port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  port=$(free_port)
   HOROVOD_FUSION_THRESHOLD=${HOROVOD_FUSION_THRESHOLD:-2147483648} timeout 300 \
     python3 -m torch.distributed.run --nproc_per_node="$GPUS" --master_port="$port" \
     examples/bench_collectives.py ${BENCH_ARGS:-} 2>&1 | grep -v "^W1\|OMP_NUM" | tee "$OUT/bench.log" | tail -12
   if [ -n "${BENCH_ALT_ENV:-}" ]; then  # the same benchmark once more under other settings, to compare
-    port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    port=$(free_port)
     env $BENCH_ALT_ENV HOROVOD_FUSION_THRESHOLD=${HOROVOD_FUSION_THRESHOLD:-2147483648} timeout 300 \
       python3 -m torch.distributed.run --nproc_per_node="$GPUS" --master_port="$port" \
       examples/bench_collectives.py ${BENCH_ARGS:-} 2>&1 | grep -v "^W1\|OMP_NUM" | tee "$OUT/bench_alt.log" | tail -6
   fi
-  port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  port=$(free_port)
   timeout 120 python3 -m torch.distributed.run --nproc_per_node="$GPUS" --master_port="$port" \
     examples/bench_latency.py 2>&1 | grep -v "^W1\|OMP_NUM" | tee "$OUT/latency.log" | tail -6
 fi
 # ZeRO benchmark runs, ';'-separated argument lists for examples/bench_zero.py.
 IFS=';' read -ra zero_runs <<< "${ZERO_BENCH:-}"
 for i in "${!zero_runs[@]}"; do
-  port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  port=$(free_port)
   PYTHONPATH="$ROOT/examples:$PYTHONPATH" timeout "${ZERO_BENCH_TIMEOUT:-300}" \
     python3 -m torch.distributed.run --nproc_per_node="$GPUS" --master_port="$port" \
     examples/bench_zero.py ${zero_runs[$i]} 2>&1 | grep -v "^W1\|OMP_NUM" | tee "$OUT/bench_zero_$i.log" | tail -14

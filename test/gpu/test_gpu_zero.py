@@ -2,6 +2,8 @@
 the model on each rank's GPU (fp32 against the single-process reference to 1e-5,
 bf16 parameters with bf16 on the wire)."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -25,7 +27,7 @@ def _zero_on_gpu(stage, mode):
                                        overlap_param_gather=mode == "overlap")
     local = cpu.GLOBAL_BATCH // n
     for step in range(cpu.STEPS):
-        ctx = opt.coalesce_grad_reduction() if mode == "coalesce" else cpu._nullcontext()
+        ctx = opt.coalesce_grad_reduction() if mode == "coalesce" else contextlib.nullcontext()
         with ctx:
             for micro in range(passes):
                 x, y = cpu._batch(step, micro)
