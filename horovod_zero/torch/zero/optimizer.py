@@ -34,7 +34,6 @@ from horovod_zero.torch.zero.plan import build_plan
 _DOWNCAST_ENV = "HOROVOD_ZERO_DOWNCAST"
 _INIT_CHUNK_ENV = "HOROVOD_ZERO_INIT_CHUNK_BYTES"
 _BUCKET_ENV = "HOROVOD_ZERO_BUCKET_BYTES"
-_SMALL_BYTES = 1 << 20
 
 
 def _param_names(optimizer, model, named_parameters):
@@ -390,11 +389,6 @@ class DistributedZeroOptimizer:
         for s, store in zip(self._shards, self._stores):
             by_dtype.setdefault(store.dtype, []).append(s)
         for dtype, shards in by_dtype.items():
-            # Small tensors (norm weights, biases) first: they fuse among themselves, and the
-            # large ones then form groups of a few that gather in place (direct groups)
-            # instead of each group pulling in small ones and going through a fusion buffer
-            # of the threshold's size that would stay allocated.
-            shards = sorted(shards, key=lambda s: s.padded * dtype.itemsize >= _SMALL_BYTES)
             ins = [self._master_params[s.index] for s in shards]
             if downcast:
                 outs = [self._stores[s.index] for s in shards]
