@@ -7,9 +7,15 @@ same bytes, and 1,000 small async allreduces against 1,000 torch.distributed cal
 Tensors follow a Llama-3.2-1B decoder layer (d=2048, 8 KV heads of 64, FFN 8192),
 sharded as ZeRO shards them: each rank contributes numel/size of every tensor.
 Bus bandwidth = bytes * (size - 1) / size / time, as nccl-tests reports it.
+
+Two ways of timing each op: "one op" waits for every op before starting the next
+(negotiation and copies add to it in full); "stream" keeps --depth ops in flight,
+as a training loop does, and reports time per op over --rounds ops, against the same
+number of torch calls issued back to back (as nccl-tests times its iterations).
 """
 
 import argparse
+import collections
 import os
 import time
 
@@ -41,7 +47,43 @@ def timed(fn, iters):
     return median_time(fn, iters, before_each=dist.barrier)
 
 
-def bench_bandwidth(total, dtype, iters):
+def streamed(enqueue, rounds, depth):
+    """Seconds per op with `depth` ops in flight; enqueue(k) uses name set k < depth,
+    so that no name is in flight twice and the response cache stays warm."""
+    def run():
+        pending = collections.deque()
+        for i in range(rounds):
+            if len(pending) == depth:
+                hvd.synchronize(pending.popleft())
+            pending.append(enqueue(i % depth))
+        for h in pending:
+            hvd.synchronize(h)
+    return median_time(run, 3, warmup=1, before_each=dist.barrier) / rounds
+
+
+def torch_streamed(call, rounds):
+    def run():
+        for _ in range(rounds):
+            call()
+    return median_time(run, 3, warmup=1, before_each=dist.barrier) / rounds
+
+
+def profile_table(fn, label, trace_dir=None):
+    """Device time per kernel for 3 calls of fn, so the copies and the collective
+    can be told apart (rank 0 prints, and writes a Chrome trace into trace_dir)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fn()
+        sync()
+    if hvd.rank() == 0:
+        print(f"-- profile: {label} (3 calls)")
+        print(prof.key_averages().table(sort_by="device_time_total", row_limit=8, max_name_column_width=60), flush=True)
+        if trace_dir:
+            prof.export_chrome_trace(os.path.join(trace_dir, label.replace(" ", "_") + ".json"))
+
+
+def bench_bandwidth(total, dtype, iters, rounds, depth, profile, trace_dir):
     n, r, dev = hvd.size(), hvd.rank(), hvd.device()
     esz = torch.tensor([], dtype=dtype).element_size()
     sizes = tensor_sizes(total, esz, n)
@@ -67,6 +109,17 @@ def bench_bandwidth(total, dtype, iters):
     t_torch = timed(lambda: [w.wait() for w in [dist.all_gather_into_tensor(q_out[i], q_in[i], async_op=True)
                                                 for i in range(4)]], iters)
     rows.append(("allgather x4", len(sizes), nbytes, t_hvd, t_torch))
+    t_hvd = streamed(lambda k: hvd.grouped_allgather_async(shards, name=f"bw.sag{k}"), rounds, depth)
+    t_torch = torch_streamed(lambda: dist.all_gather_into_tensor(flat_out, flat_in), rounds)
+    rows.append(("allgather strm", len(sizes), nbytes, t_hvd, t_torch))
+    t_hvd = streamed(lambda k: hvd.grouped_reducescatter_async(fulls, op=hvd.Sum, name=f"bw.srs{k}"), rounds, depth)
+    t_torch = torch_streamed(lambda: dist.reduce_scatter_tensor(flat_in, flat_out), rounds)
+    rows.append(("redscat strm", len(sizes), nbytes, t_hvd, t_torch))
+    if profile:
+        mib = nbytes >> 20
+        profile_table(lambda: hvd.grouped_allgather(shards, name="bw.ag"), f"allgather {mib} MiB", trace_dir)
+        profile_table(lambda: hvd.grouped_reducescatter(fulls, op=hvd.Sum, name="bw.rs"), f"reducescatter {mib} MiB",
+                      trace_dir)
     return rows
 
 
@@ -98,7 +151,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--totals", default="64MiB,1GiB")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=20, help="ops per streamed measurement")
+    ap.add_argument("--depth", type=int, default=2, help="ops in flight in the streamed measurement")
     ap.add_argument("--small", type=int, default=1000, help="number of small async allreduces")
+    ap.add_argument("--profile", action="store_true", help="print per-kernel device time of each fused op")
+    ap.add_argument("--trace-dir", default=None, help="with --profile: write Chrome traces here")
     args = ap.parse_args()
     hvd.init()
     cuda = hvd.device().type == "cuda"
@@ -110,9 +167,9 @@ def main():
     out = []
     for spec in args.totals.split(","):
         total = int(spec[:-3]) * units[spec[-3:]]
-        for op, ntensors, nbytes, th, tt in bench_bandwidth(total, torch.bfloat16, args.iters):
+        for op, ntensors, nbytes, th, tt in bench_bandwidth(total, torch.bfloat16, args.iters, args.rounds, args.depth, args.profile, args.trace_dir):
             bus = lambda t: nbytes * (n - 1) / n / t / 1e9
-            out.append(f"{op:14s} {spec:>6s} bf16 {ntensors:4d} tensors  horovod_zero {th*1e3:8.2f} ms "
+            out.append(f"{op:15s} {spec:>6s} bf16 {ntensors:4d} tensors  horovod_zero {th*1e3:8.2f} ms "
                        f"{bus(th):7.1f} GB/s | torch {tt*1e3:8.2f} ms {bus(tt):7.1f} GB/s | ratio {tt/th:5.2f}")
     t_hvd, per_enq, t_torch = bench_small(args.small)
     out.append(f"{args.small} small async allreduces: horovod_zero {t_hvd*1e3:.2f} ms (host {per_enq*1e6:.2f} us per enqueue) "
@@ -121,7 +178,8 @@ def main():
     if hvd.rank() == 0:
         print(f"== bench_collectives: {n} ranks, {torch.cuda.get_device_name() if cuda else 'cpu'}, "
               f"HOROVOD_FUSION_THRESHOLD={os.environ.get('HOROVOD_FUSION_THRESHOLD', 'default')}, "
-              f"HOROVOD_ZERO_DIRECT_MAX_TENSORS={os.environ.get('HOROVOD_ZERO_DIRECT_MAX_TENSORS', 'default')}")
+              f"HOROVOD_ZERO_DIRECT_MAX_TENSORS={os.environ.get('HOROVOD_ZERO_DIRECT_MAX_TENSORS', 'default')}, "
+              f"depth {args.depth}")
         for line in out:
             print(line, flush=True)
     dist.destroy_process_group()

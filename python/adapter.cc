@@ -86,6 +86,11 @@ class TorchAllocator : public Allocator {
       return Status::Error(std::string("Allocation failed: ") + e.what());
     }
   }
+  Status AllocateOnStream(int device, int64_t bytes, void* stream, TensorDesc* out,
+                          std::shared_ptr<void>* holder) override {
+    auto scope = device == kCpuDevice || stream == nullptr ? nullptr : UseCudaStream(device, stream);
+    return Allocate(device, DataType::kUInt8, {bytes}, out, holder);
+  }
 };
 
 struct OpArgs {

@@ -2,6 +2,11 @@
 // stream whose work must finish before a collective may read its input.
 #pragma once
 
+#include <memory>
+
 namespace hvdz {
 void* CurrentCudaStream(int device);
+// Makes `stream` the current CUDA stream of `device` until the result is dropped, so
+// that torch's caching allocator ties what is allocated meanwhile to that stream.
+std::shared_ptr<void> UseCudaStream(int device, void* stream);
 }

@@ -1,3 +1,4 @@
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include "cuda_stream.h"
@@ -5,5 +6,10 @@
 namespace hvdz {
 void* CurrentCudaStream(int device) {
   return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+}
+
+std::shared_ptr<void> UseCudaStream(int device, void* stream) {
+  auto s = c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(stream), static_cast<c10::DeviceIndex>(device));
+  return std::make_shared<c10::cuda::CUDAStreamGuard>(s);
 }
 }  // namespace hvdz

@@ -2,4 +2,5 @@
 
 namespace hvdz {
 void* CurrentCudaStream(int) { return nullptr; }
+std::shared_ptr<void> UseCudaStream(int, void*) { return nullptr; }
 }  // namespace hvdz

@@ -1,5 +1,5 @@
 // What the executor needs from one device: its communicator, batched copies,
-// a persistent fusion buffer, and a way to hand finished tensors back.
+// a fusion buffer, and a way to hand finished tensors back.
 #pragma once
 
 #include <memory>
@@ -19,7 +19,8 @@ class DeviceContext {
   // their ready events). CPU inputs are ready when enqueued.
   virtual Status WaitForInputs(const std::vector<TensorEntry>& entries) = 0;
   virtual Status Copy(const std::vector<CopyDesc>& descs, DataType src, DataType dst, double scale) = 0;
-  // At least `bytes` of scratch that lives across cycles; later calls may move it.
+  // At least `bytes` of scratch for this op. CPU: one buffer kept across ops (a later
+  // call may move it). CUDA: a stream-ordered buffer per op, dropped at Finish.
   virtual Status FusionBuffer(size_t bytes, void** ptr) = 0;
   // Frees the fusion buffer once the work queued on it is done.
   virtual Status ReleaseFusionBuffer() = 0;

@@ -52,7 +52,6 @@ class CudaContext : public DeviceContext {
     }
     cv_.notify_all();
     finalizer_.join();
-    buffer_holder_.reset();
   }
 
   Communicator& comm() override { return *comm_; }
@@ -75,22 +74,23 @@ class CudaContext : public DeviceContext {
                       "batched copy kernel");
   }
 
+  // [Note: stream-ordered fusion buffer]
+  // Each op takes its buffer from torch's caching allocator, tied to the NCCL stream,
+  // and drops it once its work is queued: later work on that stream is ordered after
+  // it, so nothing waits. The memory stays cached (no cudaMalloc per op) but counts as
+  // allocated only while an op is in flight, as FSDP2's communication buffers do,
+  // instead of adding a buffer's size to every peak of the job.
   Status FusionBuffer(size_t bytes, void** ptr) override {
-    if (buffer_.data == nullptr || buffer_.bytes() < bytes) {
-      // The old buffer may still be read by queued work: let it finish first.
-      HVDZ_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(comm_->stream()), "cudaStreamSynchronize"));
-      buffer_holder_.reset();
-      HVDZ_RETURN_IF_ERROR(alloc_.Allocate(comm_->device(), DataType::kUInt8, {static_cast<int64_t>(bytes)},
-                                           &buffer_, &buffer_holder_));
-    }
-    *ptr = buffer_.data;
+    TensorDesc d;
+    std::shared_ptr<void> holder;
+    HVDZ_RETURN_IF_ERROR(alloc_.AllocateOnStream(comm_->device(), static_cast<int64_t>(bytes), comm_->stream(), &d, &holder));
+    op_buffers_.push_back(std::move(holder));
+    *ptr = d.data;
     return Status::OK();
   }
 
   Status ReleaseFusionBuffer() override {
-    HVDZ_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(comm_->stream()), "cudaStreamSynchronize"));
-    buffer_holder_.reset();
-    buffer_ = TensorDesc();
+    op_buffers_.clear();
     return Status::OK();
   }
 
@@ -99,6 +99,7 @@ class CudaContext : public DeviceContext {
     Status rec = CudaStatus(cudaEventCreateWithFlags(&f.done, cudaEventDisableTiming), "cudaEventCreate");
     if (rec.ok()) rec = CudaStatus(cudaEventRecord(f.done, comm_->stream()), "cudaEventRecord");
     if (!rec.ok() && f.status.ok()) f.status = rec;
+    op_buffers_.clear();  // the op's work is queued: see [Note: stream-ordered fusion buffer]
     {
       std::lock_guard<std::mutex> lk(mu_);
       q_.push_back(std::move(f));
@@ -159,8 +160,7 @@ class CudaContext : public DeviceContext {
   Allocator& alloc_;
   double timeout_s_;
   const Logger& log_;
-  TensorDesc buffer_;
-  std::shared_ptr<void> buffer_holder_;
+  std::vector<std::shared_ptr<void>> op_buffers_;  // this op's fusion buffers
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<InFlight> q_;

@@ -34,6 +34,11 @@ class Allocator {
   virtual ~Allocator() = default;
   virtual Status Allocate(int device, DataType dtype, const std::vector<int64_t>& shape,
                           TensorDesc* out, std::shared_ptr<void>* holder) = 0;
+  // `bytes` of device scratch tied to `stream`: once `holder` is dropped the memory may
+  // go only to later work on that stream, so it can be dropped as soon as the work
+  // using it is queued, without waiting for it to run.
+  virtual Status AllocateOnStream(int device, int64_t bytes, void* stream, TensorDesc* out,
+                                  std::shared_ptr<void>* holder) = 0;
 };
 
 }  // namespace hvdz

@@ -41,6 +41,9 @@ class MallocAllocator : public Allocator {
     out->data = holder->get();
     return Status::OK();
   }
+  Status AllocateOnStream(int device, int64_t bytes, void*, TensorDesc* out, std::shared_ptr<void>* holder) override {
+    return Allocate(device, DataType::kUInt8, {bytes}, out, holder);
+  }
 };
 
 struct Fixture {

@@ -29,12 +29,14 @@ if [ "${BENCH:-1}" = 1 ]; then
   HOROVOD_FUSION_THRESHOLD=${HOROVOD_FUSION_THRESHOLD:-2147483648} timeout 300 \
     python3 -m torch.distributed.run --nproc_per_node="$GPUS" --master_port="$port" \
     examples/bench_collectives.py ${BENCH_ARGS:-} 2>&1 | grep -v "^W1\|OMP_NUM" | tee "$OUT/bench.log" | tail -12
-  if [ -n "${BENCH_ALT_ENV:-}" ]; then  # the same benchmark once more under other settings, to compare
+  # The same benchmark again under other settings, to compare: ';'-separated env lists.
+  IFS=';' read -ra alt_envs <<< "${BENCH_ALT_ENV:-}"
+  for i in "${!alt_envs[@]}"; do
     port=$(free_port)
-    env $BENCH_ALT_ENV HOROVOD_FUSION_THRESHOLD=${HOROVOD_FUSION_THRESHOLD:-2147483648} timeout 300 \
+    env ${alt_envs[$i]} HOROVOD_FUSION_THRESHOLD=${HOROVOD_FUSION_THRESHOLD:-2147483648} timeout 300 \
       python3 -m torch.distributed.run --nproc_per_node="$GPUS" --master_port="$port" \
-      examples/bench_collectives.py ${BENCH_ARGS:-} 2>&1 | grep -v "^W1\|OMP_NUM" | tee "$OUT/bench_alt.log" | tail -6
-  fi
+      examples/bench_collectives.py ${BENCH_ARGS:-} 2>&1 | grep -v "^W1\|OMP_NUM" | tee "$OUT/bench_alt_$i.log" | tail -12
+  done
   port=$(free_port)
   timeout 120 python3 -m torch.distributed.run --nproc_per_node="$GPUS" --master_port="$port" \
     examples/bench_latency.py 2>&1 | grep -v "^W1\|OMP_NUM" | tee "$OUT/latency.log" | tail -6

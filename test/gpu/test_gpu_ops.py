@@ -202,3 +202,20 @@ def test_large_lone_tensors_hold_no_buffer_of_their_size(gpus):
     for ok, extra in gpus.run(_large_lone_tensors):
         assert ok
         assert extra < 64 << 20, f"{extra / 2**20:.0f} MiB held beyond the tensors"
+
+
+def _fused_buffer_is_not_held():
+    """A fused op's CUDA buffer is the op's own, from torch's caching allocator: once
+    the op is done, only its inputs and outputs are allocated."""
+    dev = hvd.device()
+    ins = [torch.randn(1 << 18, device=dev) for _ in range(64)]  # more than 16 tensors: the fusion buffer path
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    outs = hvd.grouped_allgather(ins, name="held.ag")
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated() - base - sum(o.numel() * o.element_size() for o in outs)
+
+
+def test_fused_ops_hold_no_buffer_once_done(gpus):
+    for extra in gpus.run(_fused_buffer_is_not_held):
+        assert extra < 1 << 20, f"{extra / 2**20:.1f} MiB still allocated after the op"

@@ -9,7 +9,7 @@ import torch
 
 import horovod_zero.torch as hvd
 import test_zero as cpu  # the CPU tests' model, batches and reference
-from harness import shared_pool
+from harness import launch, shared_pool
 
 pytestmark = pytest.mark.gpu
 
@@ -73,6 +73,24 @@ def test_fp16_overflow_skips_the_step_on_cuda(gpus):
     for skipped, scale0, scale1, errs in gpus.run(_on_gpu, cpu._fp16_loss_scaling):
         assert skipped and scale1 == scale0 * 0.5
         assert all(e < 5e-3 for e in errs), errs
+
+
+def _in_fresh_process_on_gpu(fn, *args):
+    hvd.init()  # fn's own init() then does nothing
+    cpu.DEVICE = hvd.device()
+    return fn(*args)
+
+
+def test_consolidated_checkpoint_saved_on_2_gpus_resumes_on_1(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    res = launch(_in_fresh_process_on_gpu, 2, cpu._save, path, 2, timeout=180)
+    assert all(s == "ok" for s, _ in res.values()), res
+    res = launch(_in_fresh_process_on_gpu, 1, cpu._resume, path, 2, 2, timeout=180)
+    assert all(s == "ok" for s, _ in res.values()), res
+    ref, _ = cpu._reference(1, None, steps=4)  # on CPU, never stopped
+    params = {n: torch.tensor(v) for n, v in res[0][1].items()}
+    for n, q in ref.named_parameters():
+        assert cpu._rel(params[n], q) < 1e-5, (n, cpu._rel(params[n], q))
 
 
 def _bf16_on_gpu():
