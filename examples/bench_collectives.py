@@ -179,7 +179,7 @@ def main():
         print(f"== bench_collectives: {n} ranks, {torch.cuda.get_device_name() if cuda else 'cpu'}, "
               f"HOROVOD_FUSION_THRESHOLD={os.environ.get('HOROVOD_FUSION_THRESHOLD', 'default')}, "
               f"HOROVOD_ZERO_DIRECT_MAX_TENSORS={os.environ.get('HOROVOD_ZERO_DIRECT_MAX_TENSORS', 'default')}, "
-              f"HOROVOD_FUSION_CHUNK_BYTES={os.environ.get('HOROVOD_FUSION_CHUNK_BYTES', 'default')}, depth {args.depth}")
+              f"depth {args.depth}")
         for line in out:
             print(line, flush=True)
     dist.destroy_process_group()

@@ -18,7 +18,6 @@ struct Params {
   double stall_shutdown_seconds = 0.0;                   // HOROVOD_STALL_SHUTDOWN_TIME_SECONDS
   double transport_timeout_seconds = 30.0;               // HOROVOD_GLOO_TIMEOUT_SECONDS
   int direct_max_tensors = 16;                           // HOROVOD_ZERO_DIRECT_MAX_TENSORS; 0: never
-  int64_t fusion_chunk_bytes = 128ll * 1024 * 1024;      // HOROVOD_FUSION_CHUNK_BYTES; 0: no pipelining
 
   // Reads the environment; a value that does not parse keeps the default and is
   // reported in *warnings so that the caller can log it once a logger exists.

@@ -26,16 +26,6 @@ class DeviceContext {
   virtual Status ReleaseFusionBuffer() = 0;
   // Reports `s` to every entry once the work queued for them has finished.
   virtual void Finish(std::vector<TensorEntry> entries, const Status& s) = 0;
-
-  // A second queue for copies, so that the copies of one chunk of a fused op overlap
-  // the next chunk's collective ([Note: pipelined fusion]). Without one (CPU) side
-  // copies run in line and the waits do nothing.
-  virtual Status CopyOnSide(const std::vector<CopyDesc>& descs, DataType src, DataType dst, double scale) {
-    return Copy(descs, src, dst, scale);
-  }
-  // Later side work waits for the main work queued so far, or the reverse.
-  virtual Status SideWaitsMain() { return Status::OK(); }
-  virtual Status MainWaitsSide() { return Status::OK(); }
 };
 
 // CPU tensors: Gloo for the collective, plain loops for copies, done when returned.

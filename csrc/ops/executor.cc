@@ -12,9 +12,9 @@ void Executor::Mark(Plan& p, const char* phase, Clock::time_point start) {
   for (auto& e : p.entries) timeline_.Span(e.request.name, phase, start, end);
 }
 
-void Executor::Count(const Plan& p, int64_t elems, size_t tensors) {
+void Executor::Count(const Plan& p, int64_t elems) {
   const Response& r = *p.group.front();
-  counters_.Record(r.op, r.on_cuda, r.out_dtype, tensors ? tensors : p.group.size(),
+  counters_.Record(r.op, r.on_cuda, r.out_dtype, p.group.size(),
                    static_cast<uint64_t>(elems) * DataTypeSize(r.out_dtype));
 }
 
@@ -122,48 +122,28 @@ Status Executor::Allgather(DeviceContext& ctx, Plan& p) {
     Mark(p, "COLLECTIVE", t0);
     return Status::OK();
   }
-  int64_t total = 0;
-  const auto chunks = Chunks(p, /*small_first=*/false, &total);
+  FusionLayout L = ComputeLayout(p.group, size_);
+  const int64_t S = L.segment_elems;
   void* buf = nullptr;
-  HVDZ_RETURN_IF_ERROR(Buffer(ctx, total * DataTypeSize(r.out_dtype), &buf));
-  std::vector<CopyDesc> in;
-  std::vector<std::vector<CopyDesc>> out(chunks.size());
-  for (size_t c = 0; c < chunks.size(); ++c) {
-    const auto& L = chunks[c].layout;
-    char* region = At(buf, chunks[c].base, r.out_dtype);
-    for (size_t i = chunks[c].begin; i < chunks[c].end; ++i) {
-      const size_t j = i - chunks[c].begin;
-      in.push_back({p.entries[i].input.data, At(region, rank_ * L.segment_elems + L.offset[j][rank_], r.out_dtype),
-                    L.count[j][rank_]});
-      int64_t dst = 0;
-      for (int k = 0; k < size_; ++k) {
-        out[c].push_back({At(region, k * L.segment_elems + L.offset[j][k], r.out_dtype),
-                          At(p.entries[i].output.data, dst, r.out_dtype), L.count[j][k]});
-        dst += L.count[j][k];
-      }
+  HVDZ_RETURN_IF_ERROR(Buffer(ctx, L.total_elems * DataTypeSize(r.out_dtype), &buf));
+  std::vector<CopyDesc> in, out;
+  for (size_t i = 0; i < p.entries.size(); ++i) {
+    in.push_back({p.entries[i].input.data, At(buf, rank_ * S + L.offset[i][rank_], r.out_dtype), L.count[i][rank_]});
+    int64_t dst = 0;
+    for (int k = 0; k < size_; ++k) {
+      out.push_back({At(buf, k * S + L.offset[i][k], r.out_dtype), At(p.entries[i].output.data, dst, r.out_dtype), L.count[i][k]});
+      dst += L.count[i][k];
     }
   }
   HVDZ_RETURN_IF_ERROR(ctx.Copy(in, r.dtype, r.out_dtype, 1.0));
   Mark(p, "COPY_IN", t0);
   t0 = Clock::now();
-  const bool piped = chunks.size() > 1;  // [Note: pipelined fusion]
-  for (size_t c = 0; c < chunks.size(); ++c) {
-    const int64_t S = chunks[c].layout.segment_elems;
-    char* region = At(buf, chunks[c].base, r.out_dtype);
-    HVDZ_RETURN_IF_ERROR(ctx.comm().Allgather(At(region, rank_ * S, r.out_dtype), region, S, r.out_dtype));
-    Count(p, chunks[c].layout.total_elems, chunks[c].end - chunks[c].begin);
-    if (piped) {
-      HVDZ_RETURN_IF_ERROR(ctx.SideWaitsMain());
-      HVDZ_RETURN_IF_ERROR(ctx.CopyOnSide(out[c], r.out_dtype, r.out_dtype, 1.0));
-    }
-  }
-  if (piped) HVDZ_RETURN_IF_ERROR(ctx.MainWaitsSide());  // the buffer is freed in main's order
+  HVDZ_RETURN_IF_ERROR(ctx.comm().Allgather(At(buf, rank_ * S, r.out_dtype), buf, S, r.out_dtype));
+  Count(p, L.total_elems);
   Mark(p, "COLLECTIVE", t0);
-  if (!piped) {
-    t0 = Clock::now();
-    HVDZ_RETURN_IF_ERROR(ctx.Copy(out[0], r.out_dtype, r.out_dtype, 1.0));
-    Mark(p, "COPY_OUT", t0);
-  }
+  t0 = Clock::now();
+  HVDZ_RETURN_IF_ERROR(ctx.Copy(out, r.out_dtype, r.out_dtype, 1.0));
+  Mark(p, "COPY_OUT", t0);
   return Status::OK();
 }
 
@@ -182,45 +162,26 @@ Status Executor::Reducescatter(DeviceContext& ctx, Plan& p) {
     Mark(p, "COPY_OUT", t0);
     return Status::OK();
   }
-  int64_t total = 0;
-  const auto chunks = Chunks(p, /*small_first=*/true, &total);
+  FusionLayout L = ComputeLayout(p.group, size_);
+  const int64_t S = L.segment_elems;
   void* buf = nullptr;
-  // Each chunk: size() send segments, then one receive segment.
-  HVDZ_RETURN_IF_ERROR(Buffer(ctx, total * DataTypeSize(r.out_dtype), &buf));
-  std::vector<std::vector<CopyDesc>> in(chunks.size());
-  std::vector<CopyDesc> out;
-  for (size_t c = 0; c < chunks.size(); ++c) {
-    const auto& L = chunks[c].layout;
-    char* region = At(buf, chunks[c].base, r.out_dtype);
-    char* recv = At(region, L.total_elems, r.out_dtype);
-    for (size_t i = chunks[c].begin; i < chunks[c].end; ++i) {
-      const size_t j = i - chunks[c].begin;
-      const int64_t row = RowElems(p.group[i]->shape);
-      for (int k = 0; k < size_; ++k) {
-        int64_t first = ScatterFirstRow(p.group[i]->shape[0], size_, k) * row;
-        in[c].push_back({At(p.entries[i].input.data, first, r.dtype),
-                         At(region, k * L.segment_elems + L.offset[j][k], r.out_dtype), L.count[j][k]});
-      }
-      out.push_back({At(recv, L.offset[j][rank_], r.out_dtype), p.entries[i].output.data, L.count[j][rank_]});
+  // size() send segments, then one receive segment.
+  HVDZ_RETURN_IF_ERROR(Buffer(ctx, (L.total_elems + S) * DataTypeSize(r.out_dtype), &buf));
+  char* recv = At(buf, L.total_elems, r.out_dtype);
+  std::vector<CopyDesc> in, out;
+  for (size_t i = 0; i < p.entries.size(); ++i) {
+    const int64_t row = RowElems(p.group[i]->shape);
+    for (int k = 0; k < size_; ++k) {
+      int64_t first = ScatterFirstRow(p.group[i]->shape[0], size_, k) * row;
+      in.push_back({At(p.entries[i].input.data, first, r.dtype), At(buf, k * S + L.offset[i][k], r.out_dtype), L.count[i][k]});
     }
+    out.push_back({At(recv, L.offset[i][rank_], r.out_dtype), p.entries[i].output.data, L.count[i][rank_]});
   }
-  const bool piped = chunks.size() > 1;  // [Note: pipelined fusion]
-  if (piped) HVDZ_RETURN_IF_ERROR(ctx.SideWaitsMain());  // the inputs are ready in main's order
-  for (size_t c = 0; c < chunks.size(); ++c) {
-    const auto& L = chunks[c].layout;
-    char* region = At(buf, chunks[c].base, r.out_dtype);
-    if (piped) {
-      HVDZ_RETURN_IF_ERROR(ctx.CopyOnSide(in[c], r.dtype, r.out_dtype, r.prescale));
-      HVDZ_RETURN_IF_ERROR(ctx.MainWaitsSide());
-    } else {
-      HVDZ_RETURN_IF_ERROR(ctx.Copy(in[c], r.dtype, r.out_dtype, r.prescale));
-      Mark(p, "COPY_IN", t0);
-      t0 = Clock::now();
-    }
-    HVDZ_RETURN_IF_ERROR(ctx.comm().ReduceScatter(region, At(region, L.total_elems, r.out_dtype), L.segment_elems,
-                                                  r.out_dtype, p.op));
-    Count(p, L.total_elems, chunks[c].end - chunks[c].begin);
-  }
+  HVDZ_RETURN_IF_ERROR(ctx.Copy(in, r.dtype, r.out_dtype, r.prescale));
+  Mark(p, "COPY_IN", t0);
+  t0 = Clock::now();
+  HVDZ_RETURN_IF_ERROR(ctx.comm().ReduceScatter(buf, recv, S, r.out_dtype, p.op));
+  Count(p, L.total_elems);
   Mark(p, "COLLECTIVE", t0);
   t0 = Clock::now();
   HVDZ_RETURN_IF_ERROR(ctx.Copy(out, r.out_dtype, r.out_dtype, p.postscale));

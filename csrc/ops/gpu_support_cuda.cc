@@ -42,14 +42,6 @@ class CudaContext : public DeviceContext {
  public:
   CudaContext(std::unique_ptr<NcclCommunicator> comm, Allocator& alloc, double timeout_s, const Logger& log)
       : comm_(std::move(comm)), alloc_(alloc), timeout_s_(timeout_s), log_(log) {
-    cudaSetDevice(comm_->device());
-    side_ok_ = cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking) == cudaSuccess &&
-               cudaEventCreateWithFlags(&to_side_, cudaEventDisableTiming) == cudaSuccess &&
-               cudaEventCreateWithFlags(&to_main_, cudaEventDisableTiming) == cudaSuccess;
-    if (!side_ok_) {
-      cudaGetLastError();
-      HVDZ_LOG(log_, kWarning) << "No copy stream on device " << comm_->device() << ": fused ops will not be pipelined.";
-    }
     finalizer_ = std::thread([this] { FinalizerLoop(); });
   }
 
@@ -60,10 +52,6 @@ class CudaContext : public DeviceContext {
     }
     cv_.notify_all();
     finalizer_.join();
-    cudaSetDevice(comm_->device());
-    if (to_side_) cudaEventDestroy(to_side_);
-    if (to_main_) cudaEventDestroy(to_main_);
-    if (side_) cudaStreamDestroy(side_);
   }
 
   Communicator& comm() override { return *comm_; }
@@ -80,17 +68,11 @@ class CudaContext : public DeviceContext {
   }
 
   Status Copy(const std::vector<CopyDesc>& descs, DataType src, DataType dst, double scale) override {
-    return CopyOn(comm_->stream(), descs, src, dst, scale);
+    if (!BatchedCopySupported(src, dst))
+      return Status::InvalidArgument(std::string("No CUDA cast from ") + DataTypeName(src) + " to " + DataTypeName(dst) + ".");
+    return CudaStatus(LaunchBatchedCopy(descs.data(), static_cast<int>(descs.size()), src, dst, scale, comm_->stream()),
+                      "batched copy kernel");
   }
-
-  Status CopyOnSide(const std::vector<CopyDesc>& descs, DataType src, DataType dst, double scale) override {
-    return CopyOn(side_ok_ ? side_ : comm_->stream(), descs, src, dst, scale);
-  }
-
-  // One event per direction is enough: a wait takes the event's state when it is
-  // queued, so the event may be recorded again right after.
-  Status SideWaitsMain() override { return side_ok_ ? Order(comm_->stream(), to_side_, side_) : Status::OK(); }
-  Status MainWaitsSide() override { return side_ok_ ? Order(side_, to_main_, comm_->stream()) : Status::OK(); }
 
   // [Note: stream-ordered fusion buffer]
   // Each op takes its buffer from torch's caching allocator, tied to the NCCL stream,
@@ -132,18 +114,6 @@ class CudaContext : public DeviceContext {
     Status status;
     Clock::time_point launched;
   };
-
-  Status CopyOn(cudaStream_t stream, const std::vector<CopyDesc>& descs, DataType src, DataType dst, double scale) {
-    if (!BatchedCopySupported(src, dst))
-      return Status::InvalidArgument(std::string("No CUDA cast from ") + DataTypeName(src) + " to " + DataTypeName(dst) + ".");
-    return CudaStatus(LaunchBatchedCopy(descs.data(), static_cast<int>(descs.size()), src, dst, scale, stream),
-                      "batched copy kernel");
-  }
-
-  Status Order(cudaStream_t first, cudaEvent_t ev, cudaStream_t then) {
-    HVDZ_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(ev, first), "cudaEventRecord"));
-    return CudaStatus(cudaStreamWaitEvent(then, ev, 0), "cudaStreamWaitEvent");
-  }
 
   Status WaitFor(const InFlight& f) {
     if (f.done == nullptr) return Status::OK();
@@ -191,10 +161,6 @@ class CudaContext : public DeviceContext {
   double timeout_s_;
   const Logger& log_;
   std::vector<std::shared_ptr<void>> op_buffers_;  // this op's fusion buffers
-  cudaStream_t side_ = nullptr;  // copies of pipelined fused ops
-  cudaEvent_t to_side_ = nullptr;
-  cudaEvent_t to_main_ = nullptr;
-  bool side_ok_ = false;
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<InFlight> q_;

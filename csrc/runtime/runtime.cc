@@ -19,8 +19,7 @@ Runtime::Runtime(const WorldInfo& world, const Params& params, std::unique_ptr<C
       controller_(*control_, params_, logger_),
       // A fused reduce-scatter needs its threshold plus one segment: keep twice that.
       executor_(world.rank, world.size, params.direct_max_tensors,
-                2 * std::max<int64_t>(params.fusion_threshold_bytes, 8 << 20), params.fusion_chunk_bytes, timeline_,
-                counters_),
+                2 * std::max<int64_t>(params.fusion_threshold_bytes, 8 << 20), timeline_, counters_),
       cpu_ctx_(*cpu_comm_, *alloc_) {}
 
 Runtime::~Runtime() { Shutdown(); }

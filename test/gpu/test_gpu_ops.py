@@ -219,17 +219,3 @@ def _fused_buffer_is_not_held():
 def test_fused_ops_hold_no_buffer_once_done(gpus):
     for extra in gpus.run(_fused_buffer_is_not_held):
         assert extra < 1 << 20, f"{extra / 2**20:.1f} MiB still allocated after the op"
-
-
-def _chunked_on_gpu():
-    import test_fusion
-    return test_fusion._chunked_ops(hvd.device())
-
-
-def test_fused_ops_run_in_pipelined_chunks_on_cuda():
-    """The chunks' copies run on the copy stream, overlapped with the neighbouring
-    chunk's collective: the results must be those of one piece."""
-    from harness import shared_pool
-    import test_fusion
-    for stats in shared_pool(2, env=test_fusion.CHUNKED).run(_chunked_on_gpu):
-        assert stats["allgather"][0] > 2 and stats["reducescatter"][0] > 1, stats

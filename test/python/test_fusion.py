@@ -1,11 +1,9 @@
 """Fusion and the response cache, proven by counting collectives."""
 
-import pytest
 import torch
 
 import horovod_zero.torch as hvd
 from harness import shared_pool as pool
-from refs import make, reduce_ref, scatter_slice
 
 
 def _many_small(tag):
@@ -52,42 +50,3 @@ def _repeat_uses_cache():
 
 def test_repeated_tensors_skip_the_coordinator():
     assert pool(2).run(_repeat_uses_cache) == [0, 0]
-
-
-CHUNKED = {"HOROVOD_FUSION_CHUNK_BYTES": "4096"}
-
-
-def _chunked_ops(device="cpu"):
-    """Fused allgathers and reducescatters above HOROVOD_FUSION_CHUNK_BYTES run as
-    several collectives, one per chunk of whole tensors, each in its own region of
-    the buffer: uneven dim 0, casts and scales must land as in one piece."""
-    n, r = hvd.size(), hvd.rank()
-    rows = [1, 7, 300, 2, 513, 64, 5, 1000, 3, 33]
-    ins = [[make(k, (d + (i + k) % 3, 3), "float32", 40 + i) for i, d in enumerate(rows)] for k in range(n)]
-    mine = [t.to(device) for t in ins[r]]
-    hvd.collective_stats(reset=True)
-    for odt in (None, torch.bfloat16):
-        out = hvd.grouped_allgather(mine, output_dtype=odt, name=f"chunked.ag.{odt}")
-        for i, o in enumerate(out):
-            ref = torch.cat([ins[k][i] for k in range(n)])
-            assert torch.equal(o.cpu(), ref if odt is None else ref.to(odt)), i
-    fulls = [[make(k, (d, 3), "float32", 60 + i) for i, d in enumerate(rows)] for k in range(n)]
-    out = hvd.grouped_reducescatter([t.to(device) for t in fulls[r]], op=hvd.Average, prescale_factor=0.5,
-                                    name="chunked.rs")
-    for i, o in enumerate(out):
-        ref = scatter_slice(0.5 * reduce_ref([fulls[k][i] for k in range(n)], "Average"), n, r)
-        torch.testing.assert_close(o.cpu().double(), ref, rtol=1e-5, atol=1e-6)
-    totals = {}
-    for s in hvd.collective_stats():  # allgather: one row per wire dtype
-        calls, tensors = totals.get(s["op"], (0, 0))
-        totals[s["op"]] = (calls + s["collectives"], tensors + s["tensors"])
-    return totals
-
-
-@pytest.mark.parametrize("size", [2, 3])
-def test_fused_ops_over_the_chunk_size_run_in_chunks(size):
-    for stats in pool(size, env=CHUNKED).run(_chunked_ops):
-        ag_calls, ag_tensors = stats["allgather"]
-        rs_calls, rs_tensors = stats["reducescatter"]
-        assert (ag_tensors, rs_tensors) == (20, 10)
-        assert 4 < ag_calls < 20 and 1 < rs_calls < 10, stats  # chunks of several tensors, not one call
