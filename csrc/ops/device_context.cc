@@ -19,13 +19,11 @@ Status CpuContext::FusionBuffer(size_t bytes, void** ptr) {
   return Status::OK();
 }
 
-Status CpuContext::ReleaseFusionBuffer() {
-  buffer_holder_.reset();
-  buffer_ = TensorDesc();
-  return Status::OK();
-}
-
 void CpuContext::Finish(std::vector<TensorEntry> entries, const Status& s) {
+  if (buffer_.data != nullptr && static_cast<int64_t>(buffer_.bytes()) > keep_buffer_bytes_) {
+    buffer_holder_.reset();  // Gloo is done with it: CPU collectives return when finished
+    buffer_ = TensorDesc();
+  }
   for (auto& e : entries)
     if (e.callback) e.callback(s);
 }

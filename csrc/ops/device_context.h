@@ -19,29 +19,30 @@ class DeviceContext {
   // their ready events). CPU inputs are ready when enqueued.
   virtual Status WaitForInputs(const std::vector<TensorEntry>& entries) = 0;
   virtual Status Copy(const std::vector<CopyDesc>& descs, DataType src, DataType dst, double scale) = 0;
-  // At least `bytes` of scratch for this op. CPU: one buffer kept across ops (a later
-  // call may move it). CUDA: a stream-ordered buffer per op, dropped at Finish.
+  // At least `bytes` of scratch for this op, valid until Finish. CPU: one buffer kept
+  // across ops (a later call may move it). CUDA: a stream-ordered buffer per op.
   virtual Status FusionBuffer(size_t bytes, void** ptr) = 0;
-  // Frees the fusion buffer once the work queued on it is done.
-  virtual Status ReleaseFusionBuffer() = 0;
   // Reports `s` to every entry once the work queued for them has finished.
   virtual void Finish(std::vector<TensorEntry> entries, const Status& s) = 0;
 };
 
 // CPU tensors: Gloo for the collective, plain loops for copies, done when returned.
+// A buffer grown past `keep_buffer_bytes` (by one tensor larger than the fusion
+// threshold) is freed after its op rather than held for the whole job.
 class CpuContext : public DeviceContext {
  public:
-  CpuContext(Communicator& comm, Allocator& alloc) : comm_(comm), alloc_(alloc) {}
+  CpuContext(Communicator& comm, Allocator& alloc, int64_t keep_buffer_bytes)
+      : comm_(comm), alloc_(alloc), keep_buffer_bytes_(keep_buffer_bytes) {}
   Communicator& comm() override { return comm_; }
   Status WaitForInputs(const std::vector<TensorEntry>&) override { return Status::OK(); }
   Status Copy(const std::vector<CopyDesc>& descs, DataType src, DataType dst, double scale) override;
   Status FusionBuffer(size_t bytes, void** ptr) override;
-  Status ReleaseFusionBuffer() override;
   void Finish(std::vector<TensorEntry> entries, const Status& s) override;
 
  private:
   Communicator& comm_;
   Allocator& alloc_;
+  int64_t keep_buffer_bytes_;
   TensorDesc buffer_;
   std::shared_ptr<void> buffer_holder_;
 };

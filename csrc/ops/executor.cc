@@ -73,18 +73,13 @@ Status Executor::Broadcast(DeviceContext& ctx, Plan& p) {
   return Status::OK();
 }
 
-Status Executor::Buffer(DeviceContext& ctx, int64_t bytes, void** ptr) {
-  oversize_ = oversize_ || bytes > keep_buffer_bytes_;
-  return ctx.FusionBuffer(static_cast<size_t>(bytes), ptr);
-}
-
 Status Executor::FusedFlat(DeviceContext& ctx, Plan& p, bool copy_in) {
   const Response& r = *p.group.front();
   const bool reduces = r.op == OpType::kAllreduce;
   auto t0 = Clock::now();
   FusionLayout L = ComputeLayout(p.group, size_);
   void* buf = nullptr;
-  HVDZ_RETURN_IF_ERROR(Buffer(ctx, L.total_elems * DataTypeSize(r.out_dtype), &buf));
+  HVDZ_RETURN_IF_ERROR(ctx.FusionBuffer(L.total_elems * DataTypeSize(r.out_dtype), &buf));
   std::vector<CopyDesc> in, out;
   for (size_t i = 0; i < p.entries.size(); ++i) {
     char* slot = At(buf, L.offset[i][0], r.out_dtype);
@@ -125,7 +120,7 @@ Status Executor::Allgather(DeviceContext& ctx, Plan& p) {
   FusionLayout L = ComputeLayout(p.group, size_);
   const int64_t S = L.segment_elems;
   void* buf = nullptr;
-  HVDZ_RETURN_IF_ERROR(Buffer(ctx, L.total_elems * DataTypeSize(r.out_dtype), &buf));
+  HVDZ_RETURN_IF_ERROR(ctx.FusionBuffer(L.total_elems * DataTypeSize(r.out_dtype), &buf));
   std::vector<CopyDesc> in, out;
   for (size_t i = 0; i < p.entries.size(); ++i) {
     in.push_back({p.entries[i].input.data, At(buf, rank_ * S + L.offset[i][rank_], r.out_dtype), L.count[i][rank_]});
@@ -166,7 +161,7 @@ Status Executor::Reducescatter(DeviceContext& ctx, Plan& p) {
   const int64_t S = L.segment_elems;
   void* buf = nullptr;
   // size() send segments, then one receive segment.
-  HVDZ_RETURN_IF_ERROR(Buffer(ctx, (L.total_elems + S) * DataTypeSize(r.out_dtype), &buf));
+  HVDZ_RETURN_IF_ERROR(ctx.FusionBuffer((L.total_elems + S) * DataTypeSize(r.out_dtype), &buf));
   char* recv = At(buf, L.total_elems, r.out_dtype);
   std::vector<CopyDesc> in, out;
   for (size_t i = 0; i < p.entries.size(); ++i) {
@@ -211,11 +206,6 @@ void Executor::Execute(DeviceContext& ctx, const std::vector<const Response*>& g
     p.postscale = r.postscale / size_;
   }
   Status s = Run(ctx, p);
-  if (oversize_) {
-    Status r = ctx.ReleaseFusionBuffer();
-    if (s.ok()) s = r;
-    oversize_ = false;
-  }
   ctx.Finish(std::move(entries), s);
 }
 

@@ -16,12 +16,8 @@ char* At(void* base, int64_t elems, DataType t);
 
 class Executor {
  public:
-  // A fusion buffer grown past `keep_buffer_bytes` (by one tensor larger than the
-  // fusion threshold) is freed after its op rather than held for the whole job.
-  Executor(int rank, int size, int direct_max_tensors, int64_t keep_buffer_bytes, Timeline& timeline,
-           Counters& counters)
-      : rank_(rank), size_(size), direct_max_tensors_(direct_max_tensors), keep_buffer_bytes_(keep_buffer_bytes),
-        timeline_(timeline), counters_(counters) {}
+  Executor(int rank, int size, int direct_max_tensors, Timeline& timeline, Counters& counters)
+      : rank_(rank), size_(size), direct_max_tensors_(direct_max_tensors), timeline_(timeline), counters_(counters) {}
 
   // `entries[i]` belongs to `group[i]`.
   void Execute(DeviceContext& ctx, const std::vector<const Response*>& group,
@@ -46,15 +42,12 @@ class Executor {
   Status RunDirect(DeviceContext& ctx, Plan& p);
   Status Grouped(DeviceContext& ctx, Plan& p, const std::vector<const void*>& send);
   Status AllocateOutputs(Plan& p);
-  Status Buffer(DeviceContext& ctx, int64_t bytes, void** ptr);
   void Mark(Plan& p, const char* phase, Clock::time_point start);
   void Count(const Plan& p, int64_t elems);
 
   int rank_;
   int size_;
   int direct_max_tensors_;
-  int64_t keep_buffer_bytes_;
-  bool oversize_ = false;  // this op's buffer outgrew keep_buffer_bytes_
   Timeline& timeline_;
   Counters& counters_;
 };

@@ -89,7 +89,7 @@ Status Executor::RunDirect(DeviceContext& ctx, Plan& p) {
   if (r.op == OpType::kReducescatter && r.prescale != 1.0) {
     int64_t total = 0;
     for (auto& e : p.entries) total += e.input.numel();
-    HVDZ_RETURN_IF_ERROR(Buffer(ctx, total * DataTypeSize(r.out_dtype), &scratch));
+    HVDZ_RETURN_IF_ERROR(ctx.FusionBuffer(total * DataTypeSize(r.out_dtype), &scratch));
   }
   for (auto& e : p.entries) {
     const int64_t n = e.input.numel();

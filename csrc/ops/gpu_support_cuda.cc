@@ -89,11 +89,6 @@ class CudaContext : public DeviceContext {
     return Status::OK();
   }
 
-  Status ReleaseFusionBuffer() override {
-    op_buffers_.clear();
-    return Status::OK();
-  }
-
   void Finish(std::vector<TensorEntry> entries, const Status& s) override {
     InFlight f{nullptr, std::move(entries), s, Clock::now()};
     Status rec = CudaStatus(cudaEventCreateWithFlags(&f.done, cudaEventDisableTiming), "cudaEventCreate");

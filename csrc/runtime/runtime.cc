@@ -17,10 +17,9 @@ Runtime::Runtime(const WorldInfo& world, const Params& params, std::unique_ptr<C
       alloc_(std::move(alloc)),
       gpu_(MakeGpuSupport(params_, logger_)),
       controller_(*control_, params_, logger_),
+      executor_(world.rank, world.size, params.direct_max_tensors, timeline_, counters_),
       // A fused reduce-scatter needs its threshold plus one segment: keep twice that.
-      executor_(world.rank, world.size, params.direct_max_tensors,
-                2 * std::max<int64_t>(params.fusion_threshold_bytes, 8 << 20), timeline_, counters_),
-      cpu_ctx_(*cpu_comm_, *alloc_) {}
+      cpu_ctx_(*cpu_comm_, *alloc_, 2 * std::max<int64_t>(params.fusion_threshold_bytes, 8 << 20)) {}
 
 Runtime::~Runtime() { Shutdown(); }
 

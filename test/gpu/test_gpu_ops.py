@@ -178,8 +178,8 @@ def test_direct_nccl_groups_for_a_few_large_tensors(gpus):
 
 def _large_lone_tensors():
     """Lone tensors larger than the fusion threshold: a broadcast and an out-of-place
-    allreduce run in their outputs, and an uneven allgather's oversized buffer is
-    freed after it, so no buffer of their size stays allocated for the job."""
+    allreduce run in their outputs, and an uneven allgather's buffer is its own op's
+    (stream-ordered), so no buffer of their size stays allocated for the job."""
     n, r, dev = hvd.size(), hvd.rank(), hvd.device()
     big = 80 << 20  # elements: 320 MiB of fp32, above twice the 128 MiB default threshold
     torch.cuda.synchronize()
