@@ -3,9 +3,6 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>
 
-#include <mutex>
-#include <unordered_map>
-
 #include "common/params.h"
 #include "fusion/cpu_cast.h"
 #include "negotiation/shm_control_plane.h"
@@ -90,7 +87,12 @@ class TorchAllocator : public Allocator {
                           std::shared_ptr<void>* holder) override {
     auto scope = device == kCpuDevice || stream == nullptr ? nullptr : UseCudaStream(device, stream);
     return Allocate(device, DataType::kUInt8, {bytes}, out, holder);
-  }
+  }};
+
+// What an entry keeps alive: the input, and the output once allocated.
+struct Kept {
+  at::Tensor input;
+  at::Tensor output;
 };
 
 struct OpArgs {
@@ -152,61 +154,27 @@ class PyRuntime {
                                const std::vector<std::string>& names) {
     if (inputs.size() != outputs.size() || inputs.size() != names.size())
       ThrowIfError(Status::InvalidArgument("inputs, outputs and names must have the same length."));
-    const auto op = static_cast<OpType>(a.op);
-    std::vector<TensorEntry> entries;
-    std::vector<std::shared_ptr<at::Tensor>> slots;
+    std::vector<TensorEntry> entries(inputs.size());
+    for (size_t i = 0; i < inputs.size(); ++i) ThrowIfError(MakeEntry(a, inputs[i], outputs[i], names[i], &entries[i]));
     void* stream = nullptr;
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      const at::Tensor& in = inputs[i];
-      DataType dt;
-      ThrowIfError(CheckTensor(in, names[i], "input", &dt));
-      DataType out_dt = dt;
-      if (a.output_dtype && !ToDataType(*a.output_dtype, &out_dt))
-        ThrowIfError(Status::InvalidArgument("Unsupported output_dtype for '" + names[i] + "'."));
-      ThrowIfError(Validate(a, names[i], dt, out_dt, in, rt_->world().size));
-      TensorEntry e;
-      e.request.name = names[i];
-      e.request.op = op;
-      e.request.reduce_op = static_cast<ReduceOp>(a.reduce_op);
-      e.request.dtype = dt;
-      e.request.out_dtype = out_dt;
-      e.request.device = in.is_cuda() ? in.device().index() : kCpuDevice;
-      e.request.root = a.root;
-      e.request.prescale = a.prescale;
-      e.request.postscale = a.postscale;
-      e.request.shape.assign(in.sizes().begin(), in.sizes().end());
-      e.input = Describe(in, dt);
-      auto slot = std::make_shared<at::Tensor>();
-      if (outputs[i]) {
-        DataType odt;
-        ThrowIfError(CheckTensor(*outputs[i], names[i], "output", &odt));
-        if (outputs[i]->device() != in.device() || odt != out_dt)
-          ThrowIfError(Status::InvalidArgument("The output of '" + names[i] + "' must match the input's device and dtype."));
-        *slot = *outputs[i];
-        e.output = Describe(*slot, out_dt);
-      } else {
-        auto opts = in.options().dtype(ToScalar(out_dt));
-        e.allocate_output = [slot, opts, out_dt](const std::vector<int64_t>& shape, TensorDesc* out) {
-          try {
-            *slot = at::empty(shape, opts);
-          } catch (const std::exception& ex) {
-            return Status::Error(std::string("Output allocation failed: ") + ex.what());
-          }
-          *out = Describe(*slot, out_dt);
-          return Status::OK();
-        };
+    for (const auto& in : inputs)
+      if (in.is_cuda()) {
+        stream = CurrentCudaStream(in.device().index());
+        break;
       }
-      // The input and the output slot live until the collective is done.
-      e.keepalive = std::make_shared<std::pair<at::Tensor, std::shared_ptr<at::Tensor>>>(in, slot);
-      if (in.is_cuda() && stream == nullptr) stream = CurrentCudaStream(in.device().index());
-      entries.push_back(std::move(e));
-      slots.push_back(slot);
-    }
     std::vector<int64_t> handles;
     ThrowIfError(rt_->Enqueue(std::move(entries), stream, &handles));
-    std::lock_guard<std::mutex> lk(mu_);
-    for (size_t i = 0; i < handles.size(); ++i) results_[handles[i]] = slots[i];
     return handles;
+  }
+
+  int64_t EnqueueOne(const OpArgs& a, const at::Tensor& input, const std::optional<at::Tensor>& output,
+                     const std::string& name) {
+    std::vector<TensorEntry> entries(1);
+    ThrowIfError(MakeEntry(a, input, output, name, &entries[0]));
+    std::vector<int64_t> handles;
+    ThrowIfError(rt_->Enqueue(std::move(entries), input.is_cuda() ? CurrentCudaStream(input.device().index()) : nullptr,
+                              &handles));
+    return handles[0];
   }
 
   at::Tensor Wait(int64_t h) {
@@ -215,18 +183,24 @@ class PyRuntime {
       py::gil_scoped_release nogil;
       s = rt_->handles().Wait(h);
     }
-    std::shared_ptr<at::Tensor> slot;
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      auto it = results_.find(h);
-      if (it != results_.end()) {
-        slot = it->second;
-        results_.erase(it);
-      }
-    }
-    rt_->handles().Release(h);  // no-op for a handle that was never known
+    at::Tensor out = TakeOutput(h);
     ThrowIfError(s);
-    return slot ? *slot : at::Tensor();
+    return out;
+  }
+
+  // Many handles for one release of the GIL. Every handle is waited for and
+  // released before the first failure (in order) is raised, so none is left behind.
+  std::vector<at::Tensor> WaitAll(const std::vector<int64_t>& hs) {
+    std::vector<Status> st(hs.size());
+    {
+      py::gil_scoped_release nogil;
+      for (size_t i = 0; i < hs.size(); ++i) st[i] = rt_->handles().Wait(hs[i]);
+    }
+    std::vector<at::Tensor> out;
+    out.reserve(hs.size());
+    for (auto h : hs) out.push_back(TakeOutput(h));
+    for (const auto& s : st) ThrowIfError(s);
+    return out;
   }
 
   bool Poll(int64_t h) {
@@ -274,9 +248,65 @@ class PyRuntime {
   }
 
  private:
+  Status MakeEntry(const OpArgs& a, const at::Tensor& in, const std::optional<at::Tensor>& output,
+                   const std::string& name, TensorEntry* entry) {
+    DataType dt;
+    HVDZ_RETURN_IF_ERROR(CheckTensor(in, name, "input", &dt));
+    DataType out_dt = dt;
+    if (a.output_dtype && !ToDataType(*a.output_dtype, &out_dt))
+      return Status::InvalidArgument("Unsupported output_dtype for '" + name + "'.");
+    HVDZ_RETURN_IF_ERROR(Validate(a, name, dt, out_dt, in, rt_->world().size));
+    TensorEntry& e = *entry;
+    e.request.name = name;
+    e.request.op = static_cast<OpType>(a.op);
+    e.request.reduce_op = static_cast<ReduceOp>(a.reduce_op);
+    e.request.dtype = dt;
+    e.request.out_dtype = out_dt;
+    e.request.device = in.is_cuda() ? in.device().index() : kCpuDevice;
+    e.request.root = a.root;
+    e.request.prescale = a.prescale;
+    e.request.postscale = a.postscale;
+    e.request.shape.assign(in.sizes().begin(), in.sizes().end());
+    e.input = Describe(in, dt);
+    // The input and the output live until the collective is done; then the handle
+    // holds them until Wait takes the output (see HandleTable).
+    auto kept = std::make_shared<Kept>();
+    kept->input = in;
+    if (output) {
+      DataType odt;
+      HVDZ_RETURN_IF_ERROR(CheckTensor(*output, name, "output", &odt));
+      if (output->device() != in.device() || odt != out_dt)
+        return Status::InvalidArgument("The output of '" + name + "' must match the input's device and dtype.");
+      kept->output = *output;
+      e.output = Describe(kept->output, out_dt);
+    } else {
+      auto opts = in.options().dtype(ToScalar(out_dt));
+      // A weak reference: the entry (and this function) may be destroyed on the
+      // background thread, which must not drop the last reference to a tensor.
+      std::weak_ptr<Kept> weak = kept;
+      e.allocate_output = [weak, opts, out_dt](const std::vector<int64_t>& shape, TensorDesc* out) {
+        auto k = weak.lock();
+        if (!k) return Status::Error("Output allocation after the op finished.");
+        try {
+          k->output = at::empty(shape, opts);
+        } catch (const std::exception& ex) {
+          return Status::Error(std::string("Output allocation failed: ") + ex.what());
+        }
+        *out = Describe(k->output, out_dt);
+        return Status::OK();
+      };
+    }
+    e.keepalive = std::move(kept);
+    return Status::OK();
+  }
+
+  // Called with the GIL held: the input and output may be dropped here for the last time.
+  at::Tensor TakeOutput(int64_t h) {
+    auto kept = std::static_pointer_cast<Kept>(rt_->handles().Release(h));
+    return kept ? kept->output : at::Tensor();
+  }
+
   std::unique_ptr<Runtime> rt_;
-  std::mutex mu_;
-  std::unordered_map<int64_t, std::shared_ptr<at::Tensor>> results_;
 };
 
 // Test hook: the CPU cast kernel on a whole tensor, to compare with torch's .to().
@@ -308,7 +338,9 @@ PYBIND11_MODULE(_core, m) {
            py::arg("rank"), py::arg("size"), py::arg("local_rank"), py::arg("local_size"), py::arg("cross_rank"),
            py::arg("cross_size"), py::arg("shm_name") = "")
       .def("enqueue", &PyRuntime::Enqueue)
+      .def("enqueue_one", &PyRuntime::EnqueueOne)
       .def("wait", &PyRuntime::Wait)
+      .def("wait_all", &PyRuntime::WaitAll)
       .def("poll", &PyRuntime::Poll)
       .def("shutdown", &PyRuntime::Shutdown)
       .def("stats", &PyRuntime::Stats)

@@ -35,6 +35,8 @@ Params Params::FromEnvironment(std::string* warnings) {
        [&](const std::string& s) { p.transport_timeout_seconds = std::stod(s); });
   Read("HOROVOD_ZERO_DIRECT_MAX_TENSORS", warnings,
        [&](const std::string& s) { p.direct_max_tensors = std::stoi(s); });
+  Read("HOROVOD_ZERO_COPY_STREAM_BYTES", warnings,
+       [&](const std::string& s) { p.copy_stream_bytes = std::stoll(s); });
   if (p.fusion_threshold_bytes < 0) p.fusion_threshold_bytes = 0;
   if (p.cache_capacity < 0) p.cache_capacity = 0;
   if (p.cycle_time_ms < 0) p.cycle_time_ms = 0;

@@ -18,6 +18,7 @@ struct Params {
   double stall_shutdown_seconds = 0.0;                   // HOROVOD_STALL_SHUTDOWN_TIME_SECONDS
   double transport_timeout_seconds = 30.0;               // HOROVOD_GLOO_TIMEOUT_SECONDS
   int direct_max_tensors = 16;                           // HOROVOD_ZERO_DIRECT_MAX_TENSORS; 0: never
+  int64_t copy_stream_bytes = 8ll * 1024 * 1024;         // HOROVOD_ZERO_COPY_STREAM_BYTES; 0: never
 
   // Reads the environment; a value that does not parse keeps the default and is
   // reported in *warnings so that the caller can log it once a logger exists.

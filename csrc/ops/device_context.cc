@@ -4,7 +4,7 @@
 
 namespace hvdz {
 
-Status CpuContext::Copy(const std::vector<CopyDesc>& descs, DataType src, DataType dst, double scale) {
+Status CpuContext::Copy(const std::vector<CopyDesc>& descs, DataType src, DataType dst, double scale, CopyStage) {
   CpuBatchedCopy(descs, src, dst, scale);
   return Status::OK();
 }
@@ -24,8 +24,7 @@ void CpuContext::Finish(std::vector<TensorEntry> entries, const Status& s) {
     buffer_holder_.reset();  // Gloo is done with it: CPU collectives return when finished
     buffer_ = TensorDesc();
   }
-  for (auto& e : entries)
-    if (e.callback) e.callback(s);
+  for (auto& e : entries) Complete(e, s);
 }
 
 }  // namespace hvdz

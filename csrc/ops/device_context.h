@@ -11,6 +11,11 @@
 
 namespace hvdz {
 
+// Where a copy sits in its op: before the collective (into the fusion buffer or the
+// output) or after it (out of the buffer, or a postscale pass). A CUDA context may
+// run the two on streams of their own; see [Note: copy streams].
+enum class CopyStage { kBeforeCollective, kAfterCollective };
+
 class DeviceContext {
  public:
   virtual ~DeviceContext() = default;
@@ -18,9 +23,11 @@ class DeviceContext {
   // Orders later work after the producers of these inputs (CUDA: stream waits on
   // their ready events). CPU inputs are ready when enqueued.
   virtual Status WaitForInputs(const std::vector<TensorEntry>& entries) = 0;
-  virtual Status Copy(const std::vector<CopyDesc>& descs, DataType src, DataType dst, double scale) = 0;
-  // At least `bytes` of scratch for this op, valid until Finish. CPU: one buffer kept
-  // across ops (a later call may move it). CUDA: a stream-ordered buffer per op.
+  virtual Status Copy(const std::vector<CopyDesc>& descs, DataType src, DataType dst, double scale,
+                      CopyStage stage) = 0;
+  // At least `bytes` of scratch for this op, valid until Finish; asked for before the
+  // op's first copy. CPU: one buffer kept across ops (a later call may move it). CUDA:
+  // a stream-ordered buffer per op.
   virtual Status FusionBuffer(size_t bytes, void** ptr) = 0;
   // Reports `s` to every entry once the work queued for them has finished.
   virtual void Finish(std::vector<TensorEntry> entries, const Status& s) = 0;
@@ -35,7 +42,7 @@ class CpuContext : public DeviceContext {
       : comm_(comm), alloc_(alloc), keep_buffer_bytes_(keep_buffer_bytes) {}
   Communicator& comm() override { return comm_; }
   Status WaitForInputs(const std::vector<TensorEntry>&) override { return Status::OK(); }
-  Status Copy(const std::vector<CopyDesc>& descs, DataType src, DataType dst, double scale) override;
+  Status Copy(const std::vector<CopyDesc>& descs, DataType src, DataType dst, double scale, CopyStage) override;
   Status FusionBuffer(size_t bytes, void** ptr) override;
   void Finish(std::vector<TensorEntry> entries, const Status& s) override;
 

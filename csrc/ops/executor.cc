@@ -40,7 +40,7 @@ Status Executor::Allreduce(DeviceContext& ctx, Plan& p) {
   // A lone tensor is reduced in its output, copied there first unless in place.
   auto t0 = Clock::now();
   if (e.input.data != e.output.data || r.prescale != 1.0 || r.dtype != r.out_dtype) {
-    HVDZ_RETURN_IF_ERROR(ctx.Copy({{e.input.data, e.output.data, e.output.numel()}}, r.dtype, r.out_dtype, r.prescale));
+    HVDZ_RETURN_IF_ERROR(ctx.Copy({{e.input.data, e.output.data, e.output.numel()}}, r.dtype, r.out_dtype, r.prescale, kBefore));
     Mark(p, "COPY_IN", t0);
     t0 = Clock::now();
   }
@@ -49,7 +49,8 @@ Status Executor::Allreduce(DeviceContext& ctx, Plan& p) {
   Mark(p, "COLLECTIVE", t0);
   if (p.postscale != 1.0) {
     t0 = Clock::now();
-    HVDZ_RETURN_IF_ERROR(ctx.Copy({{e.output.data, e.output.data, e.output.numel()}}, r.out_dtype, r.out_dtype, p.postscale));
+    HVDZ_RETURN_IF_ERROR(
+        ctx.Copy({{e.output.data, e.output.data, e.output.numel()}}, r.out_dtype, r.out_dtype, p.postscale, kAfter));
     Mark(p, "COPY_OUT", t0);
   }
   return Status::OK();
@@ -63,7 +64,7 @@ Status Executor::Broadcast(DeviceContext& ctx, Plan& p) {
   auto& e = p.entries[0];
   auto t0 = Clock::now();
   if (root && (e.input.data != e.output.data || r.dtype != r.out_dtype)) {
-    HVDZ_RETURN_IF_ERROR(ctx.Copy({{e.input.data, e.output.data, e.output.numel()}}, r.dtype, r.out_dtype, 1.0));
+    HVDZ_RETURN_IF_ERROR(ctx.Copy({{e.input.data, e.output.data, e.output.numel()}}, r.dtype, r.out_dtype, 1.0, kBefore));
     Mark(p, "COPY_IN", t0);
     t0 = Clock::now();
   }
@@ -86,7 +87,7 @@ Status Executor::FusedFlat(DeviceContext& ctx, Plan& p, bool copy_in) {
     in.push_back({p.entries[i].input.data, slot, L.count[i][0]});
     out.push_back({slot, p.entries[i].output.data, L.count[i][0]});
   }
-  if (copy_in) HVDZ_RETURN_IF_ERROR(ctx.Copy(in, r.dtype, r.out_dtype, reduces ? r.prescale : 1.0));
+  if (copy_in) HVDZ_RETURN_IF_ERROR(ctx.Copy(in, r.dtype, r.out_dtype, reduces ? r.prescale : 1.0, kBefore));
   Mark(p, "COPY_IN", t0);
   t0 = Clock::now();
   HVDZ_RETURN_IF_ERROR(reduces ? ctx.comm().Allreduce(buf, L.total_elems, r.out_dtype, p.op)
@@ -94,7 +95,7 @@ Status Executor::FusedFlat(DeviceContext& ctx, Plan& p, bool copy_in) {
   Count(p, L.total_elems);
   Mark(p, "COLLECTIVE", t0);
   t0 = Clock::now();
-  HVDZ_RETURN_IF_ERROR(ctx.Copy(out, r.out_dtype, r.out_dtype, reduces ? p.postscale : 1.0));
+  HVDZ_RETURN_IF_ERROR(ctx.Copy(out, r.out_dtype, r.out_dtype, reduces ? p.postscale : 1.0, kAfter));
   Mark(p, "COPY_OUT", t0);
   return Status::OK();
 }
@@ -109,7 +110,7 @@ Status Executor::Allgather(DeviceContext& ctx, Plan& p) {
     auto& e = p.entries[0];
     const int64_t n = e.input.numel();
     char* mine = At(e.output.data, n * rank_, r.out_dtype);
-    HVDZ_RETURN_IF_ERROR(ctx.Copy({{e.input.data, mine, n}}, r.dtype, r.out_dtype, 1.0));
+    HVDZ_RETURN_IF_ERROR(ctx.Copy({{e.input.data, mine, n}}, r.dtype, r.out_dtype, 1.0, kBefore));
     Mark(p, "COPY_IN", t0);
     t0 = Clock::now();
     HVDZ_RETURN_IF_ERROR(ctx.comm().Allgather(mine, e.output.data, n, r.out_dtype));
@@ -130,14 +131,14 @@ Status Executor::Allgather(DeviceContext& ctx, Plan& p) {
       dst += L.count[i][k];
     }
   }
-  HVDZ_RETURN_IF_ERROR(ctx.Copy(in, r.dtype, r.out_dtype, 1.0));
+  HVDZ_RETURN_IF_ERROR(ctx.Copy(in, r.dtype, r.out_dtype, 1.0, kBefore));
   Mark(p, "COPY_IN", t0);
   t0 = Clock::now();
   HVDZ_RETURN_IF_ERROR(ctx.comm().Allgather(At(buf, rank_ * S, r.out_dtype), buf, S, r.out_dtype));
   Count(p, L.total_elems);
   Mark(p, "COLLECTIVE", t0);
   t0 = Clock::now();
-  HVDZ_RETURN_IF_ERROR(ctx.Copy(out, r.out_dtype, r.out_dtype, 1.0));
+  HVDZ_RETURN_IF_ERROR(ctx.Copy(out, r.out_dtype, r.out_dtype, 1.0, kAfter));
   Mark(p, "COPY_OUT", t0);
   return Status::OK();
 }
@@ -153,7 +154,7 @@ Status Executor::Reducescatter(DeviceContext& ctx, Plan& p) {
     Mark(p, "COLLECTIVE", t0);
     t0 = Clock::now();
     if (p.postscale != 1.0)
-      HVDZ_RETURN_IF_ERROR(ctx.Copy({{e.output.data, e.output.data, n}}, r.out_dtype, r.out_dtype, p.postscale));
+      HVDZ_RETURN_IF_ERROR(ctx.Copy({{e.output.data, e.output.data, n}}, r.out_dtype, r.out_dtype, p.postscale, kAfter));
     Mark(p, "COPY_OUT", t0);
     return Status::OK();
   }
@@ -172,14 +173,14 @@ Status Executor::Reducescatter(DeviceContext& ctx, Plan& p) {
     }
     out.push_back({At(recv, L.offset[i][rank_], r.out_dtype), p.entries[i].output.data, L.count[i][rank_]});
   }
-  HVDZ_RETURN_IF_ERROR(ctx.Copy(in, r.dtype, r.out_dtype, r.prescale));
+  HVDZ_RETURN_IF_ERROR(ctx.Copy(in, r.dtype, r.out_dtype, r.prescale, kBefore));
   Mark(p, "COPY_IN", t0);
   t0 = Clock::now();
   HVDZ_RETURN_IF_ERROR(ctx.comm().ReduceScatter(buf, recv, S, r.out_dtype, p.op));
   Count(p, L.total_elems);
   Mark(p, "COLLECTIVE", t0);
   t0 = Clock::now();
-  HVDZ_RETURN_IF_ERROR(ctx.Copy(out, r.out_dtype, r.out_dtype, p.postscale));
+  HVDZ_RETURN_IF_ERROR(ctx.Copy(out, r.out_dtype, r.out_dtype, p.postscale, kAfter));
   Mark(p, "COPY_OUT", t0);
   return Status::OK();
 }

@@ -24,6 +24,9 @@ class Executor {
                std::vector<TensorEntry> entries);
 
  private:
+  static constexpr CopyStage kBefore = CopyStage::kBeforeCollective;
+  static constexpr CopyStage kAfter = CopyStage::kAfterCollective;
+
   struct Plan {
     const std::vector<const Response*>& group;
     std::vector<TensorEntry>& entries;

@@ -122,7 +122,7 @@ Status Executor::RunDirect(DeviceContext& ctx, Plan& p) {
     }
   }
   const double in_scale = r.op == OpType::kAllgather || r.op == OpType::kBroadcast ? 1.0 : r.prescale;
-  if (!in.empty()) HVDZ_RETURN_IF_ERROR(ctx.Copy(in, r.dtype, r.out_dtype, in_scale));
+  if (!in.empty()) HVDZ_RETURN_IF_ERROR(ctx.Copy(in, r.dtype, r.out_dtype, in_scale, kBefore));
   Mark(p, "COPY_IN", t0);
   t0 = Clock::now();
   HVDZ_RETURN_IF_ERROR(Grouped(ctx, p, send));
@@ -132,7 +132,7 @@ Status Executor::RunDirect(DeviceContext& ctx, Plan& p) {
     t0 = Clock::now();
     std::vector<CopyDesc> out;
     for (auto& e : p.entries) out.push_back({e.output.data, e.output.data, e.output.numel()});
-    HVDZ_RETURN_IF_ERROR(ctx.Copy(out, r.out_dtype, r.out_dtype, p.postscale));
+    HVDZ_RETURN_IF_ERROR(ctx.Copy(out, r.out_dtype, r.out_dtype, p.postscale, kAfter));
     Mark(p, "COPY_OUT", t0);
   }
   return Status::OK();

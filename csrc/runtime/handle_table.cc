@@ -17,13 +17,14 @@ int64_t HandleTable::Allocate() {
   return h;
 }
 
-void HandleTable::MarkDone(int64_t handle, const Status& s) {
+void HandleTable::MarkDone(int64_t handle, const Status& s, std::shared_ptr<void> keepalive) {
   {
     std::lock_guard<std::mutex> lk(mu_);
     auto it = states_.find(handle);
-    if (it == states_.end()) return;
+    if (it == states_.end()) return;  // `keepalive` goes out of scope after the unlock
     it->second.done = true;
     it->second.status = s;
+    it->second.keepalive = std::move(keepalive);
   }
   cv_.notify_all();
 }
@@ -44,9 +45,13 @@ Status HandleTable::Wait(int64_t handle) {
   return states_.at(handle).status;
 }
 
-void HandleTable::Release(int64_t handle) {
+std::shared_ptr<void> HandleTable::Release(int64_t handle) {
   std::lock_guard<std::mutex> lk(mu_);
-  states_.erase(handle);
+  auto it = states_.find(handle);
+  if (it == states_.end()) return nullptr;
+  std::shared_ptr<void> keep = std::move(it->second.keepalive);
+  states_.erase(it);
+  return keep;
 }
 
 }  // namespace hvdz

@@ -1,9 +1,11 @@
 // Handles returned to the framework: an id per submitted tensor, done once its
-// callback reports a status.
+// callback reports a status. A done handle holds its entry's keepalive until
+// Release hands it back, so the framework drops its objects on its own thread.
 #pragma once
 
 #include <condition_variable>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <unordered_map>
 
@@ -14,17 +16,19 @@ namespace hvdz {
 class HandleTable {
  public:
   int64_t Allocate();
-  void MarkDone(int64_t handle, const Status& s);
+  void MarkDone(int64_t handle, const Status& s, std::shared_ptr<void> keepalive = nullptr);
   // Returns InvalidArgument for an unknown (or already released) handle.
   Status Poll(int64_t handle, bool* done);
   // Blocks until done; the handle stays valid until Release.
   Status Wait(int64_t handle);
-  void Release(int64_t handle);
+  // Forgets the handle; returns its keepalive (null for an unknown handle).
+  std::shared_ptr<void> Release(int64_t handle);
 
  private:
   struct State {
     bool done = false;
     Status status;
+    std::shared_ptr<void> keepalive;
   };
   std::mutex mu_;
   std::condition_variable cv_;

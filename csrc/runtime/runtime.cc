@@ -70,7 +70,7 @@ Status Runtime::Enqueue(std::vector<TensorEntry> entries, void* cuda_stream, std
     e.request.rank = world_.rank;
     e.enqueued = now;
     if (e.request.on_cuda()) e.ready_event = ready;
-    e.callback = [this, h](const Status& s) { handles_.MarkDone(h, s); };
+    e.callback = [this, h](const Status& s, std::shared_ptr<void> keep) { handles_.MarkDone(h, s, std::move(keep)); };
   }
   Status s = queue_.Add(std::move(entries));
   if (!s.ok()) {
@@ -118,7 +118,7 @@ void Runtime::ExecuteGroup(const std::vector<const Response*>& group, Clock::tim
   DeviceContext* ctx = nullptr;
   Status s = ContextFor(entries.front(), &ctx);
   if (!s.ok()) {
-    for (auto& e : entries) e.callback(s);
+    for (auto& e : entries) Complete(e, s);
     return;
   }
   executor_.Execute(*ctx, mine, std::move(entries));
@@ -128,7 +128,7 @@ void Runtime::Execute(const std::vector<Response>& responses, Clock::time_point 
   for (const auto& r : responses) {
     if (r.ok()) continue;
     TensorEntry e;
-    if (queue_.Take(r.name, &e)) e.callback(Status::PreconditionError(r.error));
+    if (queue_.Take(r.name, &e)) Complete(e, Status::PreconditionError(r.error));
   }
   for (const auto& idx : PlanFusion(responses, params_.fusion_threshold_bytes)) {
     std::vector<const Response*> group;

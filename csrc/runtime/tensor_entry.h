@@ -14,7 +14,9 @@ namespace hvdz {
 
 // Allocates the output once its shape is known (allgather: after negotiation).
 using OutputAllocator = std::function<Status(const std::vector<int64_t>& shape, TensorDesc* out)>;
-using DoneCallback = std::function<void(const Status&)>;
+// Receives the entry's keepalive, so that the framework objects are dropped on a
+// framework thread (Python tensors: with the GIL) instead of the background thread.
+using DoneCallback = std::function<void(const Status&, std::shared_ptr<void> keepalive)>;
 
 struct TensorEntry {
   Request request;
@@ -26,6 +28,11 @@ struct TensorEntry {
   DoneCallback callback;             // set by Runtime::Enqueue: marks the entry's handle done
   Clock::time_point enqueued;
 };
+
+// Reports `s` for `e` once its work is finished, handing over its keepalive.
+inline void Complete(TensorEntry& e, const Status& s) {
+  if (e.callback) e.callback(s, std::move(e.keepalive));
+}
 
 // Memory for outputs and fusion buffers, provided by the framework adapter so that
 // device memory is accounted where the user looks for it.

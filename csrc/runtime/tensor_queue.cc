@@ -16,12 +16,15 @@ Status TensorQueue::Add(std::vector<TensorEntry> entries) {
           "(synchronize) before submitting the same name again, or give each tensor its own name.");
     }
   }
+  // Only the first request since the loop last looked needs to wake it: waking it
+  // for every enqueue costs the framework thread a syscall each time.
+  const bool wake = new_requests_.empty();
   for (auto& e : entries) {
     new_requests_.push_back(e.request);
     std::string name = e.request.name;
     table_.emplace(std::move(name), std::move(e));
   }
-  cv_.notify_one();
+  if (wake) cv_.notify_one();
   return Status::OK();
 }
 
@@ -65,7 +68,7 @@ void TensorQueue::Close(const Status& s) {
   }
   // Callbacks run outside the lock: they may take other locks.
   for (auto& kv : failed) {
-    if (kv.second.callback) kv.second.callback(s);
+    Complete(kv.second, s);
   }
 }
 

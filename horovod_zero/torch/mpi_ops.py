@@ -38,6 +38,10 @@ def _resolve_op(op, average):
     return op
 
 
+def _name(kind, name):
+    return _auto_name(kind) if name is None else name if isinstance(name, str) else _names(kind, name, 1)[0]
+
+
 def _names(kind, name, n):
     if name is None:
         return [_auto_name(kind) for _ in range(n)]
@@ -61,12 +65,18 @@ def _check_tensors(tensors, what):
 @functools.lru_cache(maxsize=256)
 def _op_args(op, reduce_op, prescale, postscale, root, output_dtype):
     # Built once per distinct setting: constructing it costs as much as the rest of an enqueue.
-    return _core.OpArgs(op, reduce_op, prescale, postscale, root, output_dtype)
+    return _core.OpArgs(op, reduce_op, float(prescale), float(postscale), int(root), output_dtype)
 
 
 def _enqueue(op, inputs, outputs, names, reduce_op=Sum, prescale=1.0, postscale=1.0, root=0, output_dtype=None):
-    args = _op_args(op, reduce_op, float(prescale), float(postscale), int(root), output_dtype)
+    args = _op_args(op, reduce_op, prescale, postscale, root, output_dtype)
     return _runtime().enqueue(args, inputs, outputs, names)
+
+
+def _enqueue_one(op, tensor, output, name, reduce_op=Sum, prescale=1.0, postscale=1.0, root=0, output_dtype=None):
+    # One tensor without building lists: this is the path of every async op, where
+    # the lists' allocations (and the garbage collections they trigger) showed up.
+    return _runtime().enqueue_one(_op_args(op, reduce_op, prescale, postscale, root, output_dtype), tensor, output, name)
 
 
 def synchronize(handle):
@@ -74,6 +84,8 @@ def synchronize(handle):
     returns the output(s) in the same shape; raises HorovodInternalError if an op failed."""
     rt = _runtime()
     if isinstance(handle, (list, tuple)):
+        if all(isinstance(h, int) for h in handle):
+            return rt.wait_all(list(handle))  # one release of the GIL for all of them
         return [synchronize(h) for h in handle]
     return rt.wait(handle)
 
@@ -93,18 +105,18 @@ def _differentiable(tensor):
 
 
 def _allreduce_async(tensor, name, op, prescale_factor, postscale_factor):
-    return _enqueue(_core.OP_ALLREDUCE, [tensor], [None], [name], op, prescale_factor, postscale_factor)[0]
+    return _enqueue_one(_core.OP_ALLREDUCE, tensor, None, name, op, prescale_factor, postscale_factor)
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
     op = _resolve_op(op, average)
-    return _allreduce_async(tensor, _names("allreduce", name, 1)[0], op, prescale_factor, postscale_factor)
+    return _enqueue_one(_core.OP_ALLREDUCE, tensor, None, _name("allreduce", name), op, prescale_factor, postscale_factor)
 
 
 def allreduce(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
     """Differentiable when the input requires grad (Sum and Average)."""
     op = _resolve_op(op, average)
-    name = _names("allreduce", name, 1)[0]
+    name = _name("allreduce", name)
     if _differentiable(tensor):
         from horovod_zero.torch.autograd import Allreduce
         return Allreduce.apply(tensor, name, op, prescale_factor, postscale_factor)
@@ -113,8 +125,8 @@ def allreduce(tensor, average=None, name=None, op=None, prescale_factor=1.0, pos
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
     op = _resolve_op(op, average)
-    return _enqueue(_core.OP_ALLREDUCE, [tensor], [tensor], _names("allreduce", name, 1), op,
-                    prescale_factor, postscale_factor)[0]
+    return _enqueue_one(_core.OP_ALLREDUCE, tensor, tensor, _name("allreduce", name), op,
+                        prescale_factor, postscale_factor)
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
@@ -146,19 +158,19 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
 # --- allgather ---------------------------------------------------------------
 
 def _allgather_async(tensor, name, output_dtype):
-    return _enqueue(_core.OP_ALLGATHER, [tensor], [None], [name], output_dtype=output_dtype)[0]
+    return _enqueue_one(_core.OP_ALLGATHER, tensor, None, name, output_dtype=output_dtype)
 
 
 def allgather_async(tensor, name=None, output_dtype=None):
     """Concatenates every rank's tensor along dim 0, in rank order. Dim 0 may differ
     between ranks. output_dtype casts while copying into the fusion buffer, so the
     narrower dtype is what crosses the wire."""
-    return _allgather_async(tensor, _names("allgather", name, 1)[0], output_dtype)
+    return _allgather_async(tensor, _name("allgather", name), output_dtype)
 
 
 def allgather(tensor, name=None, output_dtype=None):
     """Differentiable when the input requires grad."""
-    name = _names("allgather", name, 1)[0]
+    name = _name("allgather", name)
     if _differentiable(tensor):
         from horovod_zero.torch.autograd import Allgather
         return Allgather.apply(tensor, name, output_dtype)
@@ -187,21 +199,21 @@ def _scatter_output(tensor):
 
 
 def _reducescatter_async(tensor, name, op, prescale_factor, postscale_factor):
-    return _enqueue(_core.OP_REDUCESCATTER, [tensor], [_scatter_output(tensor)], [name], op, prescale_factor,
-                    postscale_factor)[0]
+    return _enqueue_one(_core.OP_REDUCESCATTER, tensor, _scatter_output(tensor), name, op, prescale_factor,
+                        postscale_factor)
 
 
 def reducescatter_async(tensor, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
     """Reduces over ranks, then splits along dim 0: rank r keeps its slice; the first
     dim0 % size ranks get one extra row."""
     op = _resolve_op(op, None)
-    return _reducescatter_async(tensor, _names("reducescatter", name, 1)[0], op, prescale_factor, postscale_factor)
+    return _reducescatter_async(tensor, _name("reducescatter", name), op, prescale_factor, postscale_factor)
 
 
 def reducescatter(tensor, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
     """Differentiable when the input requires grad (Sum and Average)."""
     op = _resolve_op(op, None)
-    name = _names("reducescatter", name, 1)[0]
+    name = _name("reducescatter", name)
     if _differentiable(tensor):
         from horovod_zero.torch.autograd import Reducescatter
         return Reducescatter.apply(tensor, name, op, prescale_factor, postscale_factor)
@@ -222,17 +234,17 @@ def grouped_reducescatter(tensors, name=None, op=None, prescale_factor=1.0, post
 # --- broadcast ---------------------------------------------------------------
 
 def _broadcast_async(tensor, root_rank, name):
-    return _enqueue(_core.OP_BROADCAST, [tensor], [None], [name], root=root_rank)[0]
+    return _enqueue_one(_core.OP_BROADCAST, tensor, None, name, root=root_rank)
 
 
 def broadcast_async(tensor, root_rank, name=None):
-    return _broadcast_async(tensor, root_rank, _names("broadcast", name, 1)[0])
+    return _broadcast_async(tensor, root_rank, _name("broadcast", name))
 
 
 def broadcast(tensor, root_rank, name=None):
     """Differentiable when the input requires grad: the root's input gets the sum of
     every rank's gradient, the others' get zeros."""
-    name = _names("broadcast", name, 1)[0]
+    name = _name("broadcast", name)
     if _differentiable(tensor):
         from horovod_zero.torch.autograd import Broadcast
         return Broadcast.apply(tensor, root_rank, name)
@@ -240,7 +252,7 @@ def broadcast(tensor, root_rank, name=None):
 
 
 def broadcast_async_(tensor, root_rank, name=None):
-    return _enqueue(_core.OP_BROADCAST, [tensor], [tensor], _names("broadcast", name, 1), root=root_rank)[0]
+    return _enqueue_one(_core.OP_BROADCAST, tensor, tensor, _name("broadcast", name), root=root_rank)
 
 
 def broadcast_(tensor, root_rank, name=None):

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <future>
+#include <memory>
 
 #include "in_memory_control_plane.h"
 #include "runtime/runtime.h"
@@ -84,6 +85,26 @@ TEST(Runtime, FusedAllreduceRunsEndToEndAndScales) {
   ASSERT_EQ(stats.size(), 1u);
   EXPECT_EQ(stats.begin()->second.collectives, 1u);  // fused
   EXPECT_EQ(stats.begin()->second.tensors, 2u);
+}
+
+TEST(Runtime, AFinishedHandleKeepsTheEntrysObjectsUntilReleased) {
+  Fixture f;
+  std::vector<float> a{1, 2};
+  std::vector<TensorEntry> entries;
+  entries.push_back(Entry("kept", a));
+  auto kept = std::make_shared<int>(7);
+  std::weak_ptr<int> watch = kept;
+  entries[0].keepalive = std::move(kept);
+  std::vector<int64_t> handles;
+  ASSERT_TRUE(f.rt->Enqueue(std::move(entries), nullptr, &handles).ok());
+  ASSERT_TRUE(f.rt->handles().Wait(handles[0]).ok());
+  // Done, but the framework's objects wait for the framework thread to take them.
+  EXPECT_FALSE(watch.expired());
+  std::shared_ptr<void> back = f.rt->handles().Release(handles[0]);
+  EXPECT_EQ(*std::static_pointer_cast<int>(back), 7);
+  back.reset();
+  EXPECT_TRUE(watch.expired());
+  EXPECT_EQ(f.rt->handles().Release(handles[0]), nullptr);  // already released
 }
 
 TEST(Runtime, ACudaTensorIsRefusedWhenCudaIsNotUsable) {

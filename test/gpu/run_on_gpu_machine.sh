@@ -2,6 +2,7 @@
 # On a GPU machine with torch installed (no network needed): build horovod_zero
 # from source, run the GPU tests, then the collective benchmarks on every GPU
 # (BENCH=0 skips them) and the ZeRO benchmark runs listed in ZERO_BENCH.
+# CPU_ONLY_BUILD=1 then rebuilds without CUDA and checks that it refuses CUDA tensors.
 # Logs go to $OUT when it is set (the device tool's output folder).
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -49,4 +50,12 @@ for i in "${!zero_runs[@]}"; do
     python3 -m torch.distributed.run --nproc_per_node="$GPUS" --master_port="$port" \
     examples/bench_zero.py ${zero_runs[$i]} 2>&1 | grep -v "^W1\|OMP_NUM" | tee "$OUT/bench_zero_$i.log" | tail -14
 done
+if [ "${CPU_ONLY_BUILD:-0}" = 1 ]; then
+  t0=$(date +%s)
+  rm -rf build/cmake
+  HVDZ_CMAKE_ARGS="-DHVDZ_BUILD_TESTS=OFF -DHVDZ_CUDA=OFF" HVDZ_BUILD_JOBS=$(nproc) python3 setup.py -q build_ext --inplace \
+    > "$OUT/build_cpu_only.log" 2>&1 || { tail -40 "$OUT/build_cpu_only.log"; exit 1; }
+  echo "CPU-only build: $(( $(date +%s) - t0 )) s"
+  (cd test && timeout 120 python3 -m pytest -q -ra gpu/test_cpu_only_build.py 2>&1 | tee "$OUT/cpu_only_tests.log" | tail -5) || rc=1
+fi
 exit $rc

@@ -219,3 +219,53 @@ def _fused_buffer_is_not_held():
 def test_fused_ops_hold_no_buffer_once_done(gpus):
     for extra in gpus.run(_fused_buffer_is_not_held):
         assert extra < 1 << 20, f"{extra / 2**20:.1f} MiB still allocated after the op"
+
+
+def _fusion_buffer_path_on_one_stream():
+    hvd.init()
+    _buffer_path_casts_and_scales()
+    hvd.shutdown()
+
+
+def test_fusion_buffer_path_with_the_copy_streams_off():
+    # The default sends these buffers (tens of MiB) through the copy streams; this is
+    # the same test with every copy on the NCCL stream.
+    from harness import launch
+    out = launch(_fusion_buffer_path_on_one_stream, 2, env={"HOROVOD_ZERO_COPY_STREAM_BYTES": "0"})
+    assert out == {0: ("ok", None), 1: ("ok", None)}, out
+
+
+def _back_to_back_on_one_tensor():
+    """Three in-place sums in flight together on the same tensors. Each reads what the
+    one before it (in whichever order the runtime runs them) may still be writing from
+    its copy-out stream, so it must wait for that: any order gives 6 * n**3, a read of
+    half-written tensors does not."""
+    n, dev = hvd.size(), hvd.device()
+    ts = [torch.ones(1 << 20, device=dev) for _ in range(24)]
+    # Different prescale factors keep the three from being fused together (one fused
+    # group with the same tensor twice would read it once for both); the products commute.
+    hs = [hvd.grouped_allreduce_async_(ts, op=hvd.Sum, prescale_factor=f, name=f"b2b.{f}") for f in (1.0, 2.0, 3.0)]
+    hvd.synchronize(hs)
+    return sum(int((t != 6 * n ** 3).sum()) for t in ts)
+
+
+def test_ops_on_the_same_tensor_wait_for_earlier_copies_out(gpus):
+    assert gpus.run(_back_to_back_on_one_tensor) == [0] * gpus.size
+
+
+def _stream_order_fused():
+    n, r, dev = hvd.size(), hvd.rank(), hvd.device()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        x = torch.ones(1 << 24, device=dev)
+        for _ in range(20):  # long producer work on the user's stream
+            x = x * 1.0 + 0.0
+        x.add_(r)
+        parts = list(x.view(32, -1))  # 32 tensors, 64 MiB: the fusion buffer and its copy streams
+        outs = hvd.grouped_allgather(parts, name="g.stream.fused")
+    expect = torch.cat([torch.full((1 << 19,), 1.0 + k) for k in range(n)])
+    return all(torch.equal(o.cpu(), expect) for o in outs)
+
+
+def test_fused_copy_in_waits_for_the_producer_stream(gpus):
+    assert gpus.run(_stream_order_fused) == [True] * gpus.size

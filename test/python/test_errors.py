@@ -104,6 +104,33 @@ def test_ranks_that_disagree_all_get_an_error_naming_tensor_and_values():
             assert seconds < 5
 
 
+def _list_with_a_failure():
+    r = hvd.rank()
+    good = [hvd.allreduce_async(torch.ones(2), op=hvd.Sum, name=f"l.good.{i}") for i in range(3)]
+    bad = hvd.allreduce_async(torch.ones(3 + r), name="l.bad")
+    handles = good[:1] + [bad] + good[1:]
+    try:
+        hvd.synchronize(handles)
+        raised = None
+    except hvd.HorovodInternalError as e:
+        raised = str(e)
+    # Every handle of the list was waited for and released, the good ones too.
+    released = []
+    for h in good:
+        try:
+            hvd.synchronize(h)
+            released.append(False)
+        except ValueError:
+            released.append(True)
+    return raised, released
+
+
+def test_a_failed_op_in_a_list_raises_after_every_handle_is_released():
+    for raised, released in pool(2).run(_list_with_a_failure):
+        assert raised is not None and "'l.bad'" in raised, raised
+        assert released == [True, True, True]
+
+
 def _stalled():
     hvd.init()
     r = hvd.rank()

@@ -1,6 +1,10 @@
 """Every op and dtype over 2 and 3 CPU ranks (Gloo), fusion on and off, against
 references computed with plain torch."""
 
+import threading
+import time
+import weakref
+
 import pytest
 import torch
 
@@ -172,6 +176,27 @@ def _async_and_poll():
 
 def test_async_handles_and_poll(ranks):
     ranks.run(_async_and_poll)
+
+
+def _tensors_dropped_on_the_caller_thread():
+    # The input's last reference is the runtime's: rank 1 submits late, so the op
+    # finishes after `del`. The tensor must be freed by the thread that synchronizes
+    # (with the GIL), not by the runtime's background thread.
+    freed_on = []
+    t = torch.ones(4)
+    weakref.finalize(t, lambda: freed_on.append(threading.get_ident()))
+    if hvd.rank() == 1:
+        time.sleep(0.3)
+    h = hvd.allreduce_async(t, op=hvd.Sum, name="dropped.in")
+    del t
+    out = hvd.synchronize(h)
+    return freed_on == [threading.get_ident()], out.tolist()
+
+
+def test_tensors_are_freed_on_the_synchronizing_thread(ranks):
+    for same_thread, out in ranks.run(_tensors_dropped_on_the_caller_thread):
+        assert same_thread
+        assert out == [float(ranks.size)] * 4
 
 
 def _params_and_objects():

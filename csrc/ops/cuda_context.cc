@@ -1,0 +1,134 @@
+#include "ops/cuda_context.h"
+
+#include <algorithm>
+
+#include "cuda/batched_copy.h"
+
+namespace hvdz {
+
+CudaContext::CudaContext(std::unique_ptr<NcclCommunicator> comm, Allocator& alloc, const Params& params,
+                         const Logger& log)
+    : comm_(std::move(comm)),
+      alloc_(alloc),
+      timeout_s_(params.transport_timeout_seconds),
+      copy_stream_bytes_(params.copy_stream_bytes),
+      log_(log),
+      copies_(comm_->device(), comm_->stream()) {
+  finalizer_ = std::thread([this] { FinalizerLoop(); });
+}
+
+CudaContext::~CudaContext() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  finalizer_.join();  // every queued op has finished (or failed) by now
+}
+
+Status CudaContext::WaitForInputs(const std::vector<TensorEntry>& entries) {
+  HVDZ_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(comm_->device()), "cudaSetDevice"));
+  HVDZ_RETURN_IF_ERROR(copies_.OrderAfterPendingWrites(entries));
+  ready_.clear();
+  for (const auto& e : entries) {
+    auto ev = static_cast<cudaEvent_t>(e.ready_event.get());
+    if (ev == nullptr || std::find(ready_.begin(), ready_.end(), ev) != ready_.end()) continue;
+    ready_.push_back(ev);
+    HVDZ_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(comm_->stream(), ev, 0), "cudaStreamWaitEvent"));
+  }
+  return Status::OK();
+}
+
+Status CudaContext::Copy(const std::vector<CopyDesc>& descs, DataType src, DataType dst, double scale,
+                         CopyStage stage) {
+  if (!BatchedCopySupported(src, dst))
+    return Status::InvalidArgument(std::string("No CUDA cast from ") + DataTypeName(src) + " to " + DataTypeName(dst) + ".");
+  cudaStream_t s = comm_->stream();
+  const bool before = stage == CopyStage::kBeforeCollective;
+  if (copies_.active()) {
+    HVDZ_RETURN_IF_ERROR(before ? copies_.BeforeStream(ready_, &s) : copies_.AfterStream(descs, DataTypeSize(dst), &s));
+  }
+  HVDZ_RETURN_IF_ERROR(CudaStatus(LaunchBatchedCopy(descs.data(), static_cast<int>(descs.size()), src, dst, scale, s),
+                                  "batched copy kernel"));
+  return copies_.active() && before ? copies_.BeforeLaunched() : Status::OK();
+}
+
+// [Note: stream-ordered fusion buffer]
+// An op on the NCCL stream alone takes its buffer from torch's caching allocator,
+// tied to that stream, and drops it once its work is queued: later work on the
+// stream is ordered after it, so nothing waits. The memory stays cached (no cudaMalloc per
+// op) but counts as allocated only while an op is in flight, as FSDP2's
+// communication buffers do, instead of adding a buffer's size to every peak.
+Status CudaContext::FusionBuffer(size_t bytes, void** ptr) {
+  cudaStream_t stream;
+  const bool side = copy_stream_bytes_ > 0 && static_cast<int64_t>(bytes) >= copy_stream_bytes_;
+  HVDZ_RETURN_IF_ERROR(copies_.Begin(side, &stream));
+  TensorDesc d;
+  std::shared_ptr<void> holder;
+  HVDZ_RETURN_IF_ERROR(alloc_.AllocateOnStream(comm_->device(), static_cast<int64_t>(bytes), stream, &d, &holder));
+  op_buffers_.push_back(std::move(holder));
+  *ptr = d.data;
+  return Status::OK();
+}
+
+void CudaContext::Finish(std::vector<TensorEntry> entries, const Status& s) {
+  cudaStream_t last;
+  const bool side = copies_.active();
+  Status end = copies_.End(&last);
+  InFlight f{nullptr, std::move(entries), s.ok() ? end : s, Clock::now(), {}};
+  Status rec = CudaStatus(cudaEventCreateWithFlags(&f.done, cudaEventDisableTiming), "cudaEventCreate");
+  if (rec.ok()) rec = CudaStatus(cudaEventRecord(f.done, last), "cudaEventRecord");
+  if (!rec.ok() && f.status.ok()) f.status = rec;
+  // One stream: dropped now, see [Note: stream-ordered fusion buffer]. Three streams:
+  // dropped by the finalizer once the op is done, see [Note: copy streams].
+  if (side) f.buffers = std::move(op_buffers_);
+  op_buffers_.clear();
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    q_.push_back(std::move(f));
+  }
+  cv_.notify_one();
+}
+
+Status CudaContext::WaitFor(const InFlight& f) {
+  if (f.done == nullptr) return Status::OK();
+  cudaSetDevice(comm_->device());
+  while (true) {
+    cudaError_t q = cudaEventQuery(f.done);
+    if (q == cudaSuccess) return Status::OK();
+    if (q != cudaErrorNotReady) return CudaStatus(q, "cudaEventQuery");
+    Status async = comm_->AsyncError();
+    if (!async.ok()) {
+      comm_->Abort();
+      return async;
+    }
+    if (std::chrono::duration<double>(Clock::now() - f.launched).count() > timeout_s_) {
+      comm_->Abort();
+      return Status::Aborted("NCCL collective for '" + f.entries.front().request.name +
+                             "' did not finish within HOROVOD_GLOO_TIMEOUT_SECONDS=" +
+                             std::to_string(static_cast<int>(timeout_s_)) +
+                             " s; a peer may have died. The NCCL communicator was aborted.");
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
+
+void CudaContext::FinalizerLoop() {
+  while (true) {
+    InFlight f;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      cv_.wait(lk, [&] { return stop_ || !q_.empty(); });
+      if (q_.empty()) return;  // stop_ and drained
+      f = std::move(q_.front());
+      q_.pop_front();
+    }
+    Status s = f.status.ok() ? (broken_.ok() ? WaitFor(f) : broken_) : f.status;
+    if (!s.ok() && s.type() == StatusType::kAborted) broken_ = s;
+    if (f.done) cudaEventDestroy(f.done);
+    f.buffers.clear();  // before the callbacks: a synchronized op holds no buffer
+    for (auto& e : f.entries) Complete(e, s);
+  }
+}
+
+}  // namespace hvdz
