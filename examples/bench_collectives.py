@@ -24,23 +24,7 @@ import torch.distributed as dist
 
 import horovod_zero.torch as hvd
 from bench_timing import median_time, sync
-
-LAYER = [2048 * 2048, 2048 * 512, 2048 * 512, 2048 * 2048, 2048 * 8192, 2048 * 8192, 8192 * 2048, 2048, 2048]
-
-
-def tensor_sizes(total_bytes, elem_bytes, size):
-    """Full-tensor numels in layer order until `total_bytes`, each divisible by size."""
-    out, acc, i = [], 0, 0
-    while acc < total_bytes:
-        n = LAYER[i % len(LAYER)]
-        n = min(n, (total_bytes - acc) // elem_bytes)
-        n -= n % size
-        if n <= 0:
-            break
-        out.append(n)
-        acc += n * elem_bytes
-        i += 1
-    return out
+from llama_shapes import tensor_sizes
 
 
 def timed(fn, iters):

@@ -16,8 +16,14 @@ char* At(void* base, int64_t elems, DataType t);
 
 class Executor {
  public:
+  // `direct_max_tensors` < 0: chosen from `size`, see [Note: direct groups].
   Executor(int rank, int size, int direct_max_tensors, Timeline& timeline, Counters& counters)
-      : rank_(rank), size_(size), direct_max_tensors_(direct_max_tensors), timeline_(timeline), counters_(counters) {}
+      : rank_(rank),
+        size_(size),
+        direct_max_tensors_(direct_max_tensors < 0 ? DefaultDirectMaxTensors(size) : direct_max_tensors),
+        timeline_(timeline),
+        counters_(counters) {}
+  static int DefaultDirectMaxTensors(int size);
 
   // `entries[i]` belongs to `group[i]`.
   void Execute(DeviceContext& ctx, const std::vector<const Response*>& group,

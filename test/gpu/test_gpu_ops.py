@@ -15,6 +15,14 @@ def gpus(request):
     return shared_pool(request.param)
 
 
+@pytest.fixture(params=[2], ids=["2gpus"])
+def gpus_buffer(request):
+    """Direct NCCL groups off: large fused ops go through the fusion buffer (and its
+    copy streams), as they do by default on more than 4 ranks."""
+    from harness import shared_pool
+    return shared_pool(request.param, env={"HOROVOD_ZERO_DIRECT_MAX_TENSORS": "0"})
+
+
 def _close(out, ref, dtype_name):
     assert out.is_cuda
     torch.testing.assert_close(out.cpu().double() if out.dtype.is_floating_point else out.cpu().long(),
@@ -142,7 +150,12 @@ def _buffer_path_casts_and_scales():
                                    rtol=1e-5, atol=1e-5)
 
 
-def test_fusion_buffer_path_with_casts_scales_and_odd_sizes(gpus):
+def test_fusion_buffer_path_with_casts_scales_and_odd_sizes(gpus_buffer):
+    gpus_buffer.run(_buffer_path_casts_and_scales)
+
+
+def test_forty_tensors_in_one_direct_group_with_casts_and_scales(gpus):
+    # The same ops by default on 2 ranks: 40 tensors of ~1 MiB each, one NCCL group.
     gpus.run(_buffer_path_casts_and_scales)
 
 
@@ -208,7 +221,7 @@ def _fused_buffer_is_not_held():
     """A fused op's CUDA buffer is the op's own, from torch's caching allocator: once
     the op is done, only its inputs and outputs are allocated."""
     dev = hvd.device()
-    ins = [torch.randn(1 << 18, device=dev) for _ in range(64)]  # more than 16 tensors: the fusion buffer path
+    ins = [torch.randn(1 << 18, device=dev) for _ in range(64)]  # direct groups off: the fusion buffer path
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     outs = hvd.grouped_allgather(ins, name="held.ag")
@@ -216,8 +229,8 @@ def _fused_buffer_is_not_held():
     return torch.cuda.memory_allocated() - base - sum(o.numel() * o.element_size() for o in outs)
 
 
-def test_fused_ops_hold_no_buffer_once_done(gpus):
-    for extra in gpus.run(_fused_buffer_is_not_held):
+def test_fused_ops_hold_no_buffer_once_done(gpus_buffer):
+    for extra in gpus_buffer.run(_fused_buffer_is_not_held):
         assert extra < 1 << 20, f"{extra / 2**20:.1f} MiB still allocated after the op"
 
 
@@ -231,7 +244,8 @@ def test_fusion_buffer_path_with_the_copy_streams_off():
     # The default sends these buffers (tens of MiB) through the copy streams; this is
     # the same test with every copy on the NCCL stream.
     from harness import launch
-    out = launch(_fusion_buffer_path_on_one_stream, 2, env={"HOROVOD_ZERO_COPY_STREAM_BYTES": "0"})
+    out = launch(_fusion_buffer_path_on_one_stream, 2,
+                 env={"HOROVOD_ZERO_COPY_STREAM_BYTES": "0", "HOROVOD_ZERO_DIRECT_MAX_TENSORS": "0"})
     assert out == {0: ("ok", None), 1: ("ok", None)}, out
 
 
@@ -249,8 +263,8 @@ def _back_to_back_on_one_tensor():
     return sum(int((t != 6 * n ** 3).sum()) for t in ts)
 
 
-def test_ops_on_the_same_tensor_wait_for_earlier_copies_out(gpus):
-    assert gpus.run(_back_to_back_on_one_tensor) == [0] * gpus.size
+def test_ops_on_the_same_tensor_wait_for_earlier_copies_out(gpus_buffer):
+    assert gpus_buffer.run(_back_to_back_on_one_tensor) == [0] * gpus_buffer.size
 
 
 def _stream_order_fused():
@@ -267,5 +281,5 @@ def _stream_order_fused():
     return all(torch.equal(o.cpu(), expect) for o in outs)
 
 
-def test_fused_copy_in_waits_for_the_producer_stream(gpus):
-    assert gpus.run(_stream_order_fused) == [True] * gpus.size
+def test_fused_copy_in_waits_for_the_producer_stream(gpus_buffer):
+    assert gpus_buffer.run(_stream_order_fused) == [True] * gpus_buffer.size

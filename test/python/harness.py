@@ -143,13 +143,15 @@ def launch(fn, size, *args, env=None, timeout=120):
 _shared = {}
 
 
-def shared_pool(size, fusion=True):
-    """A RankPool shared by every test that asks for the same configuration;
-    closed at exit."""
-    key = (size, fusion)
+def shared_pool(size, fusion=True, env=None):
+    """A RankPool shared by every test that asks for the same configuration
+    (`env`: extra environment variables); closed at exit."""
+    key = (size, fusion, tuple(sorted((env or {}).items())))
     if key not in _shared:
-        env = {} if fusion else {"HOROVOD_FUSION_THRESHOLD": "0"}
-        _shared[key] = RankPool(size, env)
+        full = dict(env or {})
+        if not fusion:
+            full["HOROVOD_FUSION_THRESHOLD"] = "0"
+        _shared[key] = RankPool(size, full)
     return _shared[key]
 
 
