@@ -34,15 +34,17 @@ namespace hvdz {
 
 class CopyStreams {
  public:
-  // `collective`: the NCCL stream. The side streams are created on first use.
-  CopyStreams(int device, cudaStream_t collective) : device_(device), collective_(collective) {}
+  // `collective`: the NCCL stream. The side streams are created on first use, on
+  // the device current then (the caller's).
+  explicit CopyStreams(cudaStream_t collective) : collective_(collective) {}
   ~CopyStreams();  // the caller has waited for all queued work
 
   // Start of every op: the collective stream (and this op's copy in, if it has one)
   // waits for earlier copies out still writing any of the op's tensors.
   Status OrderAfterPendingWrites(const std::vector<TensorEntry>& entries);
-  // Decides for this op (from its fusion buffer size) and returns the stream the
-  // buffer must come from. `use` false: everything stays on the collective stream.
+  // For an op with a fusion buffer: `use` says whether it takes the side streams
+  // (false: everything stays on the collective stream); returns the stream the
+  // buffer must come from.
   Status Begin(bool use, cudaStream_t* buffer_stream);
   bool active() const { return active_; }
   // The stream for a copy before the collective; `ready` are the inputs' events.
@@ -53,8 +55,6 @@ class CopyStreams {
   Status AfterStream(const std::vector<CopyDesc>& written, size_t elem_bytes, cudaStream_t* s);
   // End of the op: the stream whose completion means the op is done.
   Status End(cudaStream_t* last);
-  cudaStream_t after_stream() const { return out_; }
-  bool wrote_after() const { return wrote_after_; }
 
  private:
   using Range = std::pair<uintptr_t, uintptr_t>;
@@ -65,7 +65,6 @@ class CopyStreams {
   Status Open();
   void Prune();
 
-  int device_;
   cudaStream_t collective_;
   cudaStream_t in_ = nullptr;
   cudaStream_t out_ = nullptr;

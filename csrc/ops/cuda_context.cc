@@ -13,7 +13,7 @@ CudaContext::CudaContext(std::unique_ptr<NcclCommunicator> comm, Allocator& allo
       timeout_s_(params.transport_timeout_seconds),
       copy_stream_bytes_(params.copy_stream_bytes),
       log_(log),
-      copies_(comm_->device(), comm_->stream()) {
+      copies_(comm_->stream()) {
   finalizer_ = std::thread([this] { FinalizerLoop(); });
 }
 
