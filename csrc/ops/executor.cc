@@ -36,7 +36,7 @@ Status Executor::Allreduce(DeviceContext& ctx, Plan& p) {
   const Response& r = *p.group.front();
   const bool single = p.entries.size() == 1;
   auto& e = p.entries[0];
-  if (!single) return FusedFlat(ctx, p, true);
+  if (!single) return RunFused(ctx, p);
   // A lone tensor is reduced in its output, copied there first unless in place.
   auto t0 = Clock::now();
   if (e.input.data != e.output.data || r.prescale != 1.0 || r.dtype != r.out_dtype) {
@@ -59,7 +59,7 @@ Status Executor::Allreduce(DeviceContext& ctx, Plan& p) {
 Status Executor::Broadcast(DeviceContext& ctx, Plan& p) {
   const Response& r = *p.group.front();
   const bool root = rank_ == r.root;
-  if (p.entries.size() != 1) return FusedFlat(ctx, p, root);
+  if (p.entries.size() != 1) return RunFused(ctx, p);
   // A lone tensor is broadcast in its output (the root copies its input there first).
   auto& e = p.entries[0];
   auto t0 = Clock::now();
@@ -71,32 +71,6 @@ Status Executor::Broadcast(DeviceContext& ctx, Plan& p) {
   HVDZ_RETURN_IF_ERROR(ctx.comm().Broadcast(e.output.data, e.output.numel(), r.out_dtype, r.root));
   Count(p, e.output.numel());
   Mark(p, "COLLECTIVE", t0);
-  return Status::OK();
-}
-
-Status Executor::FusedFlat(DeviceContext& ctx, Plan& p, bool copy_in) {
-  const Response& r = *p.group.front();
-  const bool reduces = r.op == OpType::kAllreduce;
-  auto t0 = Clock::now();
-  FusionLayout L = ComputeLayout(p.group, size_);
-  void* buf = nullptr;
-  HVDZ_RETURN_IF_ERROR(ctx.FusionBuffer(L.total_elems * DataTypeSize(r.out_dtype), &buf));
-  std::vector<CopyDesc> in, out;
-  for (size_t i = 0; i < p.entries.size(); ++i) {
-    char* slot = At(buf, L.offset[i][0], r.out_dtype);
-    in.push_back({p.entries[i].input.data, slot, L.count[i][0]});
-    out.push_back({slot, p.entries[i].output.data, L.count[i][0]});
-  }
-  if (copy_in) HVDZ_RETURN_IF_ERROR(ctx.Copy(in, r.dtype, r.out_dtype, reduces ? r.prescale : 1.0, kBefore));
-  Mark(p, "COPY_IN", t0);
-  t0 = Clock::now();
-  HVDZ_RETURN_IF_ERROR(reduces ? ctx.comm().Allreduce(buf, L.total_elems, r.out_dtype, p.op)
-                               : ctx.comm().Broadcast(buf, L.total_elems, r.out_dtype, r.root));
-  Count(p, L.total_elems);
-  Mark(p, "COLLECTIVE", t0);
-  t0 = Clock::now();
-  HVDZ_RETURN_IF_ERROR(ctx.Copy(out, r.out_dtype, r.out_dtype, reduces ? p.postscale : 1.0, kAfter));
-  Mark(p, "COPY_OUT", t0);
   return Status::OK();
 }
 
@@ -118,29 +92,7 @@ Status Executor::Allgather(DeviceContext& ctx, Plan& p) {
     Mark(p, "COLLECTIVE", t0);
     return Status::OK();
   }
-  FusionLayout L = ComputeLayout(p.group, size_);
-  const int64_t S = L.segment_elems;
-  void* buf = nullptr;
-  HVDZ_RETURN_IF_ERROR(ctx.FusionBuffer(L.total_elems * DataTypeSize(r.out_dtype), &buf));
-  std::vector<CopyDesc> in, out;
-  for (size_t i = 0; i < p.entries.size(); ++i) {
-    in.push_back({p.entries[i].input.data, At(buf, rank_ * S + L.offset[i][rank_], r.out_dtype), L.count[i][rank_]});
-    int64_t dst = 0;
-    for (int k = 0; k < size_; ++k) {
-      out.push_back({At(buf, k * S + L.offset[i][k], r.out_dtype), At(p.entries[i].output.data, dst, r.out_dtype), L.count[i][k]});
-      dst += L.count[i][k];
-    }
-  }
-  HVDZ_RETURN_IF_ERROR(ctx.Copy(in, r.dtype, r.out_dtype, 1.0, kBefore));
-  Mark(p, "COPY_IN", t0);
-  t0 = Clock::now();
-  HVDZ_RETURN_IF_ERROR(ctx.comm().Allgather(At(buf, rank_ * S, r.out_dtype), buf, S, r.out_dtype));
-  Count(p, L.total_elems);
-  Mark(p, "COLLECTIVE", t0);
-  t0 = Clock::now();
-  HVDZ_RETURN_IF_ERROR(ctx.Copy(out, r.out_dtype, r.out_dtype, 1.0, kAfter));
-  Mark(p, "COPY_OUT", t0);
-  return Status::OK();
+  return RunFused(ctx, p);
 }
 
 Status Executor::Reducescatter(DeviceContext& ctx, Plan& p) {
@@ -158,31 +110,7 @@ Status Executor::Reducescatter(DeviceContext& ctx, Plan& p) {
     Mark(p, "COPY_OUT", t0);
     return Status::OK();
   }
-  FusionLayout L = ComputeLayout(p.group, size_);
-  const int64_t S = L.segment_elems;
-  void* buf = nullptr;
-  // size() send segments, then one receive segment.
-  HVDZ_RETURN_IF_ERROR(ctx.FusionBuffer((L.total_elems + S) * DataTypeSize(r.out_dtype), &buf));
-  char* recv = At(buf, L.total_elems, r.out_dtype);
-  std::vector<CopyDesc> in, out;
-  for (size_t i = 0; i < p.entries.size(); ++i) {
-    const int64_t row = RowElems(p.group[i]->shape);
-    for (int k = 0; k < size_; ++k) {
-      int64_t first = ScatterFirstRow(p.group[i]->shape[0], size_, k) * row;
-      in.push_back({At(p.entries[i].input.data, first, r.dtype), At(buf, k * S + L.offset[i][k], r.out_dtype), L.count[i][k]});
-    }
-    out.push_back({At(recv, L.offset[i][rank_], r.out_dtype), p.entries[i].output.data, L.count[i][rank_]});
-  }
-  HVDZ_RETURN_IF_ERROR(ctx.Copy(in, r.dtype, r.out_dtype, r.prescale, kBefore));
-  Mark(p, "COPY_IN", t0);
-  t0 = Clock::now();
-  HVDZ_RETURN_IF_ERROR(ctx.comm().ReduceScatter(buf, recv, S, r.out_dtype, p.op));
-  Count(p, L.total_elems);
-  Mark(p, "COLLECTIVE", t0);
-  t0 = Clock::now();
-  HVDZ_RETURN_IF_ERROR(ctx.Copy(out, r.out_dtype, r.out_dtype, p.postscale, kAfter));
-  Mark(p, "COPY_OUT", t0);
-  return Status::OK();
+  return RunFused(ctx, p);
 }
 
 Status Executor::Run(DeviceContext& ctx, Plan& p) {

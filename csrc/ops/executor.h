@@ -44,12 +44,29 @@ class Executor {
   Status Allgather(DeviceContext& ctx, Plan& p);
   Status Reducescatter(DeviceContext& ctx, Plan& p);
   Status Broadcast(DeviceContext& ctx, Plan& p);
-  // Allreduce and broadcast through the buffer, tensors one after another.
-  Status FusedFlat(DeviceContext& ctx, Plan& p, bool copy_in);
+  // One collective call of the plan's op. count: per rank for allgather (sent) and
+  // reducescatter (received), the whole tensor otherwise; allreduce and broadcast
+  // work in `recv`.
+  struct Call {
+    const void* send;
+    void* recv;
+    int64_t count;
+  };
+  // Some of a plan's entries through one fusion buffer: its copies and its call.
+  struct Fused {
+    std::vector<CopyDesc> in, out;
+    Call call;
+    int64_t elems = 0;  // buffer elements, for the counters
+  };
+  double InScale(const Plan& p) const;   // of copies in: prescale for reductions
+  double OutScale(const Plan& p) const;  // of copies out: postscale for reductions
+  Status Launch(Communicator& c, const Plan& p, const Call& call);
+  // executor_fused.cc: the fusion-buffer path, for entries `idx` or for all of them.
+  Status PrepareFused(DeviceContext& ctx, Plan& p, const std::vector<size_t>& idx, Fused* f);
+  Status RunFused(DeviceContext& ctx, Plan& p);
   // executor_direct.cc: large tensors in place, one grouped communicator launch.
   bool UseDirect(DeviceContext& ctx, const Plan& p) const;
   Status RunDirect(DeviceContext& ctx, Plan& p);
-  Status Grouped(DeviceContext& ctx, Plan& p, const std::vector<const void*>& send);
   Status AllocateOutputs(Plan& p);
   void Mark(Plan& p, const char* phase, Clock::time_point start);
   void Count(const Plan& p, int64_t elems);

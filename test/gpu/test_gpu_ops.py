@@ -159,9 +159,17 @@ def test_forty_tensors_in_one_direct_group_with_casts_and_scales(gpus):
     gpus.run(_buffer_path_casts_and_scales)
 
 
-def _direct_groups():
+def _direct_groups(mixed):
+    """Large tensors: one NCCL call each, in one group. `mixed`: small tensors between
+    them, which share one fusion buffer and one call inside the same group."""
     n, r, dev = hvd.size(), hvd.rank(), hvd.device()
-    sizes = [(1 << 20) * n + 8 * n * i for i in range(5)]  # a few large tensors: one NCCL call each, in one group
+    if mixed:
+        big = [(1 << 20) * n + 16 * n * i for i in range(4)]  # over 4 MiB each: a call each
+        small = [n * (37 * i + 5) for i in range(8)]          # odd sizes, well under 4 MiB
+        sizes = [big[0], small[0], small[1], big[1], small[2], small[3], big[2], small[4], small[5], big[3],
+                 small[6], small[7]]
+    else:
+        sizes = [(1 << 20) * n + 8 * n * i for i in range(5)]
     ins = [[make(k, (s,), "float32", 20 + i) for i, s in enumerate(sizes)] for k in range(n)]
     mine = [t.to(dev) for t in ins[r]]
     hvd.collective_stats(reset=True)
@@ -170,7 +178,7 @@ def _direct_groups():
         for i, o in enumerate(out):
             ref = torch.cat([ins[k][i] for k in range(n)])
             assert torch.equal(o.cpu(), ref if odt is None else ref.to(odt))
-    for pre in (1.0, 0.5):
+    for pre in (1.0, 0.5):  # 0.5: scaled copies in one scratch buffer, every tensor a call
         out = hvd.grouped_reducescatter(mine, op=hvd.Average, prescale_factor=pre, name=f"g.direct.rs.{pre}")
         for i, o in enumerate(out):
             ref = scatter_slice(pre * reduce_ref([ins[k][i] for k in range(n)], "Average"), n, r)
@@ -180,13 +188,23 @@ def _direct_groups():
     for i, o in enumerate(copies):
         torch.testing.assert_close(o.cpu().double(), 0.5 * reduce_ref([ins[k][i] for k in range(n)], "Sum"),
                                    rtol=1e-5, atol=1e-5)
+    # The API has no grouped broadcast; the internal enqueue makes one group of them.
+    from horovod_zero.torch import mpi_ops
+    targets = [t.clone() if r == 0 else torch.zeros_like(t) for t in mine]
+    hvd.synchronize(mpi_ops._enqueue(mpi_ops._core.OP_BROADCAST, targets, targets,
+                                     [f"g.direct.bc.{i}" for i in range(len(targets))], root=0))
+    for i, t in enumerate(targets):
+        assert torch.equal(t.cpu(), ins[0][i])
     # Every group above was one grouped launch, not one collective per tensor.
     return sorted((s["op"], s["collectives"], s["tensors"]) for s in hvd.collective_stats() if s["device"] == "cuda")
 
 
-def test_direct_nccl_groups_for_a_few_large_tensors(gpus):
-    for stats in gpus.run(_direct_groups):
-        assert stats == [("allgather", 1, 5), ("allgather", 1, 5), ("allreduce", 1, 5), ("reducescatter", 2, 10)], stats
+@pytest.mark.parametrize("mixed", [False, True], ids=["large", "large+small"])
+def test_direct_nccl_groups(gpus, mixed):
+    for stats in gpus.run(_direct_groups, mixed):
+        m = 12 if mixed else 5
+        assert stats == [("allgather", 1, m), ("allgather", 1, m), ("allreduce", 1, m), ("broadcast", 1, m),
+                         ("reducescatter", 2, 2 * m)], stats
 
 
 def _large_lone_tensors():
@@ -283,3 +301,4 @@ def _stream_order_fused():
 
 def test_fused_copy_in_waits_for_the_producer_stream(gpus_buffer):
     assert gpus_buffer.run(_stream_order_fused) == [True] * gpus_buffer.size
+
