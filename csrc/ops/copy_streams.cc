@@ -27,7 +27,6 @@ void CopyStreams::Prune() {
     cudaEventDestroy(pending_.front().done);
     pending_.pop_front();
   }
-  cudaGetLastError();  // a not-ready query leaves no error behind, but be sure
 }
 
 Status CopyStreams::OrderAfterPendingWrites(const std::vector<TensorEntry>& entries) {

@@ -33,11 +33,10 @@ Status Executor::AllocateOutputs(Plan& p) {
 }
 
 Status Executor::Allreduce(DeviceContext& ctx, Plan& p) {
-  const Response& r = *p.group.front();
-  const bool single = p.entries.size() == 1;
-  auto& e = p.entries[0];
-  if (!single) return RunFused(ctx, p);
+  if (p.entries.size() != 1) return RunFused(ctx, p);
   // A lone tensor is reduced in its output, copied there first unless in place.
+  const Response& r = *p.group.front();
+  auto& e = p.entries[0];
   auto t0 = Clock::now();
   if (e.input.data != e.output.data || r.prescale != 1.0 || r.dtype != r.out_dtype) {
     HVDZ_RETURN_IF_ERROR(ctx.Copy({{e.input.data, e.output.data, e.output.numel()}}, r.dtype, r.out_dtype, r.prescale, kBefore));
@@ -57,10 +56,10 @@ Status Executor::Allreduce(DeviceContext& ctx, Plan& p) {
 }
 
 Status Executor::Broadcast(DeviceContext& ctx, Plan& p) {
-  const Response& r = *p.group.front();
-  const bool root = rank_ == r.root;
   if (p.entries.size() != 1) return RunFused(ctx, p);
   // A lone tensor is broadcast in its output (the root copies its input there first).
+  const Response& r = *p.group.front();
+  const bool root = rank_ == r.root;
   auto& e = p.entries[0];
   auto t0 = Clock::now();
   if (root && (e.input.data != e.output.data || r.dtype != r.out_dtype)) {

@@ -72,15 +72,13 @@ Status Executor::RunDirect(DeviceContext& ctx, Plan& p) {
   // A prescaled reducescatter sends scaled copies from one scratch buffer, so its
   // small tensors cannot have a buffer of their own: all go as calls.
   const bool scratch = r.op == OpType::kReducescatter && r.prescale != 1.0;
-  std::vector<bool> small(p.entries.size(), false);
-  std::vector<size_t> small_idx;
+  std::vector<size_t> small_idx;  // ascending
   if (!scratch) {
     for (size_t i = 0; i < p.entries.size(); ++i) {
       const auto& e = p.entries[i];
       if (static_cast<int64_t>(std::max(e.input.bytes(), e.output.bytes())) < kOwnCallMinBytes) small_idx.push_back(i);
     }
     if (small_idx.size() < kMinSmallToFuse) small_idx.clear();
-    for (auto i : small_idx) small[i] = true;
   }
   void* scratch_buf = nullptr;
   int64_t scratch_off = 0;
@@ -93,8 +91,11 @@ Status Executor::RunDirect(DeviceContext& ctx, Plan& p) {
   std::vector<Call> calls;
   int64_t elems = 0;
   const bool reduces = r.op == OpType::kAllreduce || r.op == OpType::kReducescatter;
-  for (size_t i = 0; i < p.entries.size(); ++i) {
-    if (small[i]) continue;
+  for (size_t i = 0, next_small = 0; i < p.entries.size(); ++i) {
+    if (next_small < small_idx.size() && small_idx[next_small] == i) {
+      ++next_small;  // goes through the shared buffer below
+      continue;
+    }
     auto& e = p.entries[i];
     const int64_t n = e.input.numel();
     switch (r.op) {

@@ -16,7 +16,7 @@ namespace hvdz {
 class HandleTable {
  public:
   int64_t Allocate();
-  void MarkDone(int64_t handle, const Status& s, std::shared_ptr<void> keepalive = nullptr);
+  void MarkDone(int64_t handle, const Status& s, std::shared_ptr<void> keepalive);
   // Returns InvalidArgument for an unknown (or already released) handle.
   Status Poll(int64_t handle, bool* done);
   // Blocks until done; the handle stays valid until Release.

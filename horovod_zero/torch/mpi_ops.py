@@ -110,7 +110,7 @@ def _allreduce_async(tensor, name, op, prescale_factor, postscale_factor):
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
     op = _resolve_op(op, average)
-    return _enqueue_one(_core.OP_ALLREDUCE, tensor, None, _name("allreduce", name), op, prescale_factor, postscale_factor)
+    return _allreduce_async(tensor, _name("allreduce", name), op, prescale_factor, postscale_factor)
 
 
 def allreduce(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):

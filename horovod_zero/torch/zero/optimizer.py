@@ -19,10 +19,9 @@
   later layers runs under the compute of earlier ones.
 """
 
-import weakref
-
 import contextlib
 import os
+import weakref
 
 import torch
 
