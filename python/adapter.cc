@@ -154,14 +154,15 @@ class PyRuntime {
                                const std::vector<std::string>& names) {
     if (inputs.size() != outputs.size() || inputs.size() != names.size())
       ThrowIfError(Status::InvalidArgument("inputs, outputs and names must have the same length."));
-    std::vector<TensorEntry> entries(inputs.size());
-    for (size_t i = 0; i < inputs.size(); ++i) ThrowIfError(MakeEntry(a, inputs[i], outputs[i], names[i], &entries[i]));
     void* stream = nullptr;
     for (const auto& in : inputs)
-      if (in.is_cuda()) {
+      if (in.defined() && in.is_cuda()) {
         stream = CurrentCudaStream(in.device().index());
         break;
       }
+    std::vector<TensorEntry> entries(inputs.size());
+    for (size_t i = 0; i < inputs.size(); ++i)
+      ThrowIfError(MakeEntry(a, inputs[i], outputs[i], names[i], stream, &entries[i]));
     std::vector<int64_t> handles;
     ThrowIfError(rt_->Enqueue(std::move(entries), stream, &handles));
     return handles;
@@ -169,11 +170,11 @@ class PyRuntime {
 
   int64_t EnqueueOne(const OpArgs& a, const at::Tensor& input, const std::optional<at::Tensor>& output,
                      const std::string& name) {
+    void* stream = input.defined() && input.is_cuda() ? CurrentCudaStream(input.device().index()) : nullptr;
     std::vector<TensorEntry> entries(1);
-    ThrowIfError(MakeEntry(a, input, output, name, &entries[0]));
+    ThrowIfError(MakeEntry(a, input, output, name, stream, &entries[0]));
     std::vector<int64_t> handles;
-    ThrowIfError(rt_->Enqueue(std::move(entries), input.is_cuda() ? CurrentCudaStream(input.device().index()) : nullptr,
-                              &handles));
+    ThrowIfError(rt_->Enqueue(std::move(entries), stream, &handles));
     return handles[0];
   }
 
@@ -248,8 +249,9 @@ class PyRuntime {
   }
 
  private:
+  // `stream`: the caller's current CUDA stream (nullptr for CPU inputs).
   Status MakeEntry(const OpArgs& a, const at::Tensor& in, const std::optional<at::Tensor>& output,
-                   const std::string& name, TensorEntry* entry) {
+                   const std::string& name, void* stream, TensorEntry* entry) {
     DataType dt;
     HVDZ_RETURN_IF_ERROR(CheckTensor(in, name, "input", &dt));
     DataType out_dt = dt;
@@ -284,11 +286,23 @@ class PyRuntime {
       // A weak reference: the entry (and this function) may be destroyed on the
       // background thread, which must not drop the last reference to a tensor.
       std::weak_ptr<Kept> weak = kept;
-      e.allocate_output = [weak, opts, out_dt](const std::vector<int64_t>& shape, TensorDesc* out) {
+      e.allocate_output = [weak, opts, out_dt, stream](const std::vector<int64_t>& shape, void* writer,
+                                                        TensorDesc* out) {
         auto k = weak.lock();
         if (!k) return Status::Error("Output allocation after the op finished.");
         try {
+          // [Note: output memory]
+          // Allocated on the background thread, after the caller's ready event was
+          // recorded, so memory tied to the caller's stream could be a block the caller
+          // freed meanwhile with kernels still reading it. Tying it to the writer's stream
+          // (the NCCL stream) gives only memory that stream's earlier work is done with;
+          // recording the caller's stream keeps it from being reused, once the caller
+          // frees it, before the caller's work queued by then has run.
+          // (The caller's stream may be the default one, whose handle is nullptr.)
+          const bool cuda = opts.device().is_cuda();
+          auto scope = cuda ? UseCudaStream(opts.device().index(), writer) : nullptr;
           k->output = at::empty(shape, opts);
+          if (cuda) RecordStream(k->output, stream);
         } catch (const std::exception& ex) {
           return Status::Error(std::string("Output allocation failed: ") + ex.what());
         }

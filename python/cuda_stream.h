@@ -4,9 +4,16 @@
 
 #include <memory>
 
+namespace at {
+class Tensor;
+}
+
 namespace hvdz {
 void* CurrentCudaStream(int device);
 // Makes `stream` the current CUDA stream of `device` until the result is dropped, so
 // that torch's caching allocator ties what is allocated meanwhile to that stream.
 std::shared_ptr<void> UseCudaStream(int device, void* stream);
+// Keeps the caching allocator from reusing `t`'s memory, once it is freed, before the
+// work queued on `stream` by then has run (torch's Tensor.record_stream).
+void RecordStream(const at::Tensor& t, void* stream);
 }

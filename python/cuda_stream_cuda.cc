@@ -1,3 +1,5 @@
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -11,5 +13,10 @@ void* CurrentCudaStream(int device) {
 std::shared_ptr<void> UseCudaStream(int device, void* stream) {
   auto s = c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(stream), static_cast<c10::DeviceIndex>(device));
   return std::make_shared<c10::cuda::CUDAStreamGuard>(s);
+}
+
+void RecordStream(const at::Tensor& t, void* stream) {
+  c10::cuda::CUDACachingAllocator::recordStream(
+      t.storage().data_ptr(), c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(stream), t.device().index()));
 }
 }  // namespace hvdz

@@ -34,6 +34,9 @@ class CudaContext : public DeviceContext {
   Status Copy(const std::vector<CopyDesc>& descs, DataType src, DataType dst, double scale, CopyStage stage) override;
   Status FusionBuffer(size_t bytes, void** ptr) override;
   void Finish(std::vector<TensorEntry> entries, const Status& s) override;
+  // Every writer of an output (NCCL, or the copy-out stream after an event on it) is
+  // ordered after earlier work on the NCCL stream.
+  void* OutputStream() override { return comm_->stream(); }
 
  private:
   struct InFlight {

@@ -31,6 +31,8 @@ class DeviceContext {
   virtual Status FusionBuffer(size_t bytes, void** ptr) = 0;
   // Reports `s` to every entry once the work queued for them has finished.
   virtual void Finish(std::vector<TensorEntry> entries, const Status& s) = 0;
+  // The stream that first writes outputs the runtime allocates (CUDA); nullptr on CPU.
+  virtual void* OutputStream() { return nullptr; }
 };
 
 // CPU tensors: Gloo for the collective, plain loops for copies, done when returned.

@@ -18,7 +18,7 @@ void Executor::Count(const Plan& p, int64_t elems) {
                    static_cast<uint64_t>(elems) * DataTypeSize(r.out_dtype));
 }
 
-Status Executor::AllocateOutputs(Plan& p) {
+Status Executor::AllocateOutputs(DeviceContext& ctx, Plan& p) {
   for (size_t i = 0; i < p.entries.size(); ++i) {
     auto& e = p.entries[i];
     if (!e.allocate_output) continue;  // the caller passed the output
@@ -27,7 +27,7 @@ Status Executor::AllocateOutputs(Plan& p) {
       shape[0] = 0;
       for (auto d : p.group[i]->first_dims) shape[0] += d;
     }
-    HVDZ_RETURN_IF_ERROR(e.allocate_output(shape, &e.output));
+    HVDZ_RETURN_IF_ERROR(e.allocate_output(shape, ctx.OutputStream(), &e.output));
   }
   return Status::OK();
 }
@@ -113,7 +113,7 @@ Status Executor::Reducescatter(DeviceContext& ctx, Plan& p) {
 }
 
 Status Executor::Run(DeviceContext& ctx, Plan& p) {
-  HVDZ_RETURN_IF_ERROR(AllocateOutputs(p));
+  HVDZ_RETURN_IF_ERROR(AllocateOutputs(ctx, p));
   HVDZ_RETURN_IF_ERROR(ctx.WaitForInputs(p.entries));
   if (UseDirect(ctx, p)) return RunDirect(ctx, p);
   switch (p.group.front()->op) {

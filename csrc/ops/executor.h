@@ -67,7 +67,7 @@ class Executor {
   // executor_direct.cc: large tensors in place, one grouped communicator launch.
   bool UseDirect(DeviceContext& ctx, const Plan& p) const;
   Status RunDirect(DeviceContext& ctx, Plan& p);
-  Status AllocateOutputs(Plan& p);
+  Status AllocateOutputs(DeviceContext& ctx, Plan& p);
   void Mark(Plan& p, const char* phase, Clock::time_point start);
   void Count(const Plan& p, int64_t elems);
 

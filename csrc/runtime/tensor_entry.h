@@ -12,8 +12,9 @@
 
 namespace hvdz {
 
-// Allocates the output once its shape is known (allgather: after negotiation).
-using OutputAllocator = std::function<Status(const std::vector<int64_t>& shape, TensorDesc* out)>;
+// Allocates the output once its shape is known (allgather: after negotiation). On
+// CUDA `stream` is the runtime's stream that first writes it; see [Note: output memory].
+using OutputAllocator = std::function<Status(const std::vector<int64_t>& shape, void* stream, TensorDesc* out)>;
 // Receives the entry's keepalive, so that the framework objects are dropped on a
 // framework thread (Python tensors: with the GIL) instead of the background thread.
 using DoneCallback = std::function<void(const Status&, std::shared_ptr<void> keepalive)>;

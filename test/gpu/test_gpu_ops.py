@@ -1,6 +1,8 @@
 """The CUDA path over NCCL: every op against plain-torch references, the fused
 cast kernel, fusion counts, stream ordering, and CPU and CUDA ops in one cycle."""
 
+import time
+
 import pytest
 import torch
 
@@ -302,3 +304,59 @@ def _stream_order_fused():
 def test_fused_copy_in_waits_for_the_producer_stream(gpus_buffer):
     assert gpus_buffer.run(_stream_order_fused) == [True] * gpus_buffer.size
 
+
+
+def _outputs_never_take_memory_the_caller_still_reads(parts):
+    """Outputs are allocated on the background thread, after the caller's ready event.
+    Two ways one could land on memory that kernels queued on the caller's stream after
+    that event still read: (a) a tensor the caller freed after enqueueing the op, (b) an
+    earlier op's output, read and freed likewise. A sleep kernel holds rank 0's stream so
+    that those reads run late, and rank 1 enqueues late so that rank 0 allocates only
+    after the free; a collective writing into such memory changes what the reads see."""
+    n, r, dev = hvd.size(), hvd.rank(), hvd.device()
+    rows = (3 << 20) // parts  # 12 MiB of float32 per rank: the copy streams' size with parts > 1
+
+    def shards(tag):
+        return [torch.full((rows,), float(100 * tag + r * parts + i), device=dev) for i in range(parts)]
+
+    def gather(tag, inputs):
+        if r != 0:
+            time.sleep(0.2)
+        return hvd.grouped_allgather_async(inputs, name=f"g.reuse.{parts}.{tag}")
+
+    def expect(tag):
+        return [torch.cat([torch.full((rows,), float(100 * tag + k * parts + i)) for k in range(n)])
+                for i in range(parts)]
+
+    def hold_stream():
+        if r == 0:
+            torch.cuda._sleep(int(1.5e9))  # ~0.75 s at H100/H200 clocks
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    hvd.barrier()
+    x = torch.full((rows * n,), -1.0, device=dev)  # exactly one output's size
+    h = gather(1, shards(1))
+    hold_stream()
+    y = x.clone()  # queued behind the sleep
+    del x
+    outs = hvd.synchronize(h)
+    freed_input_kept = bool((y == -1).all())
+    first_ok = all(torch.equal(o.cpu(), e) for o, e in zip(outs, expect(1)))
+    hvd.barrier()
+    h = gather(2, shards(2))
+    hold_stream()
+    copies = [o.clone() for o in outs]  # queued behind the sleep
+    del outs
+    outs = hvd.synchronize(h)
+    freed_output_kept = all(torch.equal(c.cpu(), e) for c, e in zip(copies, expect(1)))
+    second_ok = all(torch.equal(o.cpu(), e) for o, e in zip(outs, expect(2)))
+    return freed_input_kept, freed_output_kept, first_ok, second_ok
+
+
+def test_outputs_never_take_memory_the_caller_still_reads(gpus):
+    assert gpus.run(_outputs_never_take_memory_the_caller_still_reads, 1) == [(True,) * 4] * gpus.size
+
+
+def test_fused_outputs_never_take_memory_the_caller_still_reads(gpus_buffer):
+    assert gpus_buffer.run(_outputs_never_take_memory_the_caller_still_reads, 4) == [(True,) * 4] * gpus_buffer.size
