@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 
+#include "common/thread_timing.h"
 #include "fusion/fusion_plan.h"
 
 namespace hvdz {
@@ -27,7 +28,10 @@ Status Runtime::Start() {
   // Like Horovod, rank 0 writes the timeline: one file, the coordinator's view.
   if (world_.rank == 0 && !timeline_.Open(params_.timeline_path, world_.rank))
     return Status::InvalidArgument("Cannot open HOROVOD_TIMELINE file '" + params_.timeline_path + "'.");
-  thread_ = std::thread([this] { Loop(); });
+  thread_ = std::thread([this] {
+    UseFineTimerSlack();
+    Loop();
+  });
   return Status::OK();
 }
 
