@@ -249,7 +249,7 @@ class PyRuntime {
   }
 
  private:
-  // `stream`: the caller's current CUDA stream (nullptr for CPU inputs).
+  // `stream`: the caller's current CUDA stream (nullptr for CPU inputs, and for the default stream).
   Status MakeEntry(const OpArgs& a, const at::Tensor& in, const std::optional<at::Tensor>& output,
                    const std::string& name, void* stream, TensorEntry* entry) {
     DataType dt;
