@@ -156,7 +156,7 @@ class PyRuntime {
       ThrowIfError(Status::InvalidArgument("inputs, outputs and names must have the same length."));
     void* stream = nullptr;
     for (const auto& in : inputs)
-      if (in.defined() && in.is_cuda()) {
+      if (in.is_cuda()) {
         stream = CurrentCudaStream(in.device().index());
         break;
       }
@@ -170,7 +170,7 @@ class PyRuntime {
 
   int64_t EnqueueOne(const OpArgs& a, const at::Tensor& input, const std::optional<at::Tensor>& output,
                      const std::string& name) {
-    void* stream = input.defined() && input.is_cuda() ? CurrentCudaStream(input.device().index()) : nullptr;
+    void* stream = input.is_cuda() ? CurrentCudaStream(input.device().index()) : nullptr;
     std::vector<TensorEntry> entries(1);
     ThrowIfError(MakeEntry(a, input, output, name, stream, &entries[0]));
     std::vector<int64_t> handles;
