@@ -27,7 +27,10 @@ def main(argv=None):
         return 2
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--mpi" in argv or "--jsrun" in argv:
-        sys.stderr.write("horovod_zero.runner launches in gloo mode only; drop --mpi/--jsrun.\n")
+        sys.stderr.write(
+            "horovodrun launches horovod_zero jobs in Gloo mode only: drop --mpi/--jsrun, "
+            "or start the ranks with mpirun itself (mpirun -np N python train.py).\n"
+        )
         return 2
     if "--gloo" not in argv:
         argv.insert(0, "--gloo")

@@ -4,12 +4,18 @@
 - horovodrun: rank 0 starts a TCPStore and publishes its address through
   horovodrun's HTTP rendezvous server (HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT), under a
   scope of our own; the other ranks read it there.
+- srun: a TCPStore on the first host of the step's node list, at MASTER_PORT or a
+  port derived from the job and step ids (every task derives the same one).
+- mpirun: a TCPStore at MASTER_ADDR:MASTER_PORT when the user exports them
+  (`mpirun -x MASTER_ADDR -x MASTER_PORT`); on one host without them, a FileStore
+  named after Open MPI's job id, so no port has to be agreed.
 - size 1: an in-process HashStore.
 """
 
 import datetime
 import os
 import socket
+import tempfile
 import time
 import uuid
 import urllib.error
@@ -72,12 +78,78 @@ def _torchrun_store(world: World, timeout: datetime.timedelta):
     return dist.TCPStore(addr, int(port), world.size, is_master, timeout=timeout)
 
 
+def slurm_first_host(nodelist: str) -> str:
+    """The first host of Slurm's compressed node list: "gpu[03-05,9],cpu1" -> "gpu03"."""
+    head = ""
+    rest = nodelist.strip()
+    while rest and rest[0] != ",":
+        if rest[0] == "[":
+            inside, _, rest = rest[1:].partition("]")
+            head += inside.split(",")[0].split("-")[0]
+        else:
+            head += rest[0]
+            rest = rest[1:]
+    return head
+
+
+def _tcp_store(world: World, addr: str, port: int, timeout: datetime.timedelta, hint: str):
+    try:
+        return dist.TCPStore(addr, port, world.size, world.rank == 0, timeout=timeout)
+    except (RuntimeError, OSError) as e:
+        raise RuntimeError(
+            f"Rank {world.rank} of {world.size} ({world.launcher}) could not meet the other ranks at "
+            f"{addr}:{port} within {timeout.total_seconds():.0f} s: {str(e).splitlines()[0]}. {hint}"
+        ) from None
+
+
+def slurm_port(env) -> int:
+    """MASTER_PORT, else a port in [20000, 40000) that every task of a job step derives alike."""
+    if env.get("MASTER_PORT"):
+        return int(env["MASTER_PORT"])
+    step = int(env.get("SLURM_JOB_ID", "0") or 0) * 97 + int(env.get("SLURM_STEP_ID", "0") or 0)
+    return 20000 + step % 20000
+
+
+def _srun_store(world: World, timeout: datetime.timedelta):
+    env = os.environ
+    nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    addr = env.get("MASTER_ADDR") or (slurm_first_host(nodes) if nodes else "")
+    if not addr:
+        raise RuntimeError("srun set SLURM_PROCID but no node list (SLURM_JOB_NODELIST); set MASTER_ADDR to the host of rank 0.")
+    return _tcp_store(
+        world, addr, slurm_port(env), timeout,
+        "Start every task with srun (a plain `python` inside an sbatch script is one task of "
+        f"SLURM_NTASKS={world.size}), or set MASTER_PORT to a free port.",
+    )
+
+
+def _mpirun_store(world: World, generation: int, timeout: datetime.timedelta):
+    env = os.environ
+    if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        return _tcp_store(world, env["MASTER_ADDR"], int(env["MASTER_PORT"]), timeout,
+                          "MASTER_ADDR must be the host of rank 0 and MASTER_PORT a free port there.")
+    if world.local_size != world.size:
+        raise RuntimeError(
+            "mpirun across hosts needs the address of rank 0's host: run "
+            "`mpirun -x MASTER_ADDR=<host of rank 0> -x MASTER_PORT=<free port> ...`."
+        )
+    job = env.get("OMPI_MCA_ess_base_jobid") or env.get("PMIX_NAMESPACE")
+    if not job:
+        raise RuntimeError("mpirun set no job id (OMPI_MCA_ess_base_jobid); set MASTER_ADDR and MASTER_PORT.")
+    path = os.path.join(tempfile.gettempdir(), f"horovod_zero-{os.getuid()}-mpirun-{job}-{generation}.store")
+    return dist.FileStore(path, world.size)
+
+
 def make_store(world: World, generation: int, timeout_s: float):
     timeout = datetime.timedelta(seconds=timeout_s)
     if world.size == 1:
         return dist.HashStore()
     if world.launcher == "horovodrun":
         store = _horovodrun_store(world, generation, timeout)
+    elif world.launcher == "srun":
+        store = _srun_store(world, timeout)
+    elif world.launcher == "mpirun":
+        store = _mpirun_store(world, generation, timeout)
     else:
         store = _torchrun_store(world, timeout)
     # A prefix per init() generation keeps a re-init (and the user's own

@@ -1,4 +1,11 @@
-"""Who this process is in the job, read from the launcher's environment."""
+"""Who this process is in the job, read from the launcher's environment.
+
+Each launcher names rank, size and locality in variables of its own; one reader
+per launcher turns them into a World. The first launcher whose variables are
+present wins, in the order of `_READERS`: horovodrun and torchrun first, because
+a job they start from inside an allocation (mpirun's or Slurm's) still carries
+the outer launcher's variables.
+"""
 
 import os
 from dataclasses import dataclass
@@ -12,7 +19,7 @@ class World:
     local_size: int
     cross_rank: int
     cross_size: int
-    launcher: str  # "horovodrun", "torchrun" or "single"
+    launcher: str  # "horovodrun", "torchrun", "mpirun", "srun" or "single"
 
 
 def _int(env, name, default=None):
@@ -24,36 +31,104 @@ def _int(env, name, default=None):
     try:
         return int(value)
     except ValueError:
-        raise ValueError(f"{name}={value!r} is not an integer.") from None
+        raise ValueError(f"{name}={value!r} is not an integer; the launcher set it wrongly.") from None
+
+
+def _horovodrun(env):
+    size = _int(env, "HOROVOD_SIZE")
+    return World(
+        rank=_int(env, "HOROVOD_RANK"),
+        size=size,
+        local_rank=_int(env, "HOROVOD_LOCAL_RANK", 0),
+        local_size=_int(env, "HOROVOD_LOCAL_SIZE", size),
+        cross_rank=_int(env, "HOROVOD_CROSS_RANK", 0),
+        cross_size=_int(env, "HOROVOD_CROSS_SIZE", 1),
+        launcher="horovodrun",
+    )
+
+
+def _torchrun(env):
+    size = _int(env, "WORLD_SIZE")
+    rank = _int(env, "RANK")
+    local_size = _int(env, "LOCAL_WORLD_SIZE", size)
+    return World(
+        rank=rank,
+        size=size,
+        local_rank=_int(env, "LOCAL_RANK", rank % local_size),
+        local_size=local_size,
+        cross_rank=_int(env, "GROUP_RANK", rank // local_size),
+        cross_size=max(1, size // local_size),
+        launcher="torchrun",
+    )
+
+
+def _mpirun(env):
+    # Open MPI has no node index; its default mapping (by slot) puts consecutive
+    # ranks on one node, so the node of a rank is rank // local_size.
+    size = _int(env, "OMPI_COMM_WORLD_SIZE")
+    rank = _int(env, "OMPI_COMM_WORLD_RANK")
+    local_size = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", size)
+    return World(
+        rank=rank,
+        size=size,
+        local_rank=_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", rank % local_size),
+        local_size=local_size,
+        cross_rank=rank // local_size,
+        cross_size=max(1, size // local_size),
+        launcher="mpirun",
+    )
+
+
+def slurm_tasks_per_node(value: str) -> list:
+    """Slurm's compressed task counts, "2(x3),1" -> [2, 2, 2, 1]."""
+    counts = []
+    for part in value.split(","):
+        n, _, rep = part.partition("(x")
+        counts += [int(n)] * (int(rep.rstrip(")")) if rep else 1)
+    return counts
+
+
+def _srun(env):
+    size = _int(env, "SLURM_NTASKS")
+    rank = _int(env, "SLURM_PROCID")
+    node = _int(env, "SLURM_NODEID", 0)
+    per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    counts = slurm_tasks_per_node(per_node) if per_node else [size]
+    return World(
+        rank=rank,
+        size=size,
+        local_rank=_int(env, "SLURM_LOCALID", 0),
+        local_size=counts[node] if node < len(counts) else counts[-1],
+        cross_rank=node,
+        cross_size=len(counts),
+        launcher="srun",
+    )
+
+
+# (variables that mark the launcher, reader), in order of precedence.
+_READERS = (
+    (("HOROVOD_RANK", "HOROVOD_SIZE"), _horovodrun),
+    (("RANK", "WORLD_SIZE"), _torchrun),
+    (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), _mpirun),
+    (("SLURM_PROCID", "SLURM_NTASKS"), _srun),
+)
 
 
 def detect_world(env=None) -> World:
-    """horovodrun sets HOROVOD_RANK/SIZE/...; torchrun sets RANK/WORLD_SIZE/...;
-    with neither, this is a job of size 1."""
+    """horovodrun, torchrun, Open MPI's mpirun or Slurm's srun, by their own
+    variables; with none of them, this is a job of size 1."""
     env = os.environ if env is None else env
-    if "HOROVOD_RANK" in env and "HOROVOD_SIZE" in env:
-        size = _int(env, "HOROVOD_SIZE")
-        local_size = _int(env, "HOROVOD_LOCAL_SIZE", size)
-        return World(
-            rank=_int(env, "HOROVOD_RANK"),
-            size=size,
-            local_rank=_int(env, "HOROVOD_LOCAL_RANK", 0),
-            local_size=local_size,
-            cross_rank=_int(env, "HOROVOD_CROSS_RANK", 0),
-            cross_size=_int(env, "HOROVOD_CROSS_SIZE", 1),
-            launcher="horovodrun",
-        )
-    if "RANK" in env and "WORLD_SIZE" in env:
-        size = _int(env, "WORLD_SIZE")
-        rank = _int(env, "RANK")
-        local_size = _int(env, "LOCAL_WORLD_SIZE", size)
-        return World(
-            rank=rank,
-            size=size,
-            local_rank=_int(env, "LOCAL_RANK", rank % local_size),
-            local_size=local_size,
-            cross_rank=_int(env, "GROUP_RANK", rank // local_size),
-            cross_size=max(1, size // local_size),
-            launcher="torchrun",
-        )
+    for names, reader in _READERS:
+        if all(n in env for n in names):
+            world = reader(env)
+            _check(world)
+            return world
     return World(0, 1, 0, 1, 0, 1, "single")
+
+
+def _check(w: World):
+    if not (0 <= w.rank < w.size and 0 <= w.local_rank < w.local_size and 0 <= w.cross_rank < w.cross_size):
+        raise ValueError(
+            f"The {w.launcher} environment is inconsistent: rank {w.rank} of {w.size}, local rank "
+            f"{w.local_rank} of {w.local_size}, node {w.cross_rank} of {w.cross_size}. Check the launcher's options."
+        )

@@ -1,5 +1,7 @@
-"""Run by test_launch.py under each launcher: joins the job and allreduces rank + 1."""
+"""Run by test_launch.py under each launcher: joins the job, allreduces rank + 1,
+and prints where it is and the settings the runtime took from the launcher."""
 
+import os
 import sys
 
 import torch
@@ -9,7 +11,15 @@ from horovod_zero.torch.basics import _world
 
 hvd.init()
 total = hvd.allreduce(torch.tensor([hvd.rank() + 1.0]), op=hvd.Sum, name="launch_check").item()
+info = hvd.runtime_info()
+fields = dict(
+    rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(), local_size=hvd.local_size(),
+    cross_rank=hvd.cross_rank(), cross_size=hvd.cross_size(), launcher=_world().launcher, sum=total,
+    fusion_threshold=info["fusion_threshold"], cycle_time_ms=info["cycle_time_ms"],
+    cache_capacity=info["cache_capacity"], timeline=info["timeline"], control_plane=info["control_plane"],
+    log_level=os.environ.get("HOROVOD_LOG_LEVEL", ""),
+)
 # One write per line: ranks share the launcher's stdout, and print() writes the newline separately.
-sys.stdout.write(f"LAUNCH_OK rank={hvd.rank()} size={hvd.size()} launcher={_world().launcher} sum={total}\n")
+sys.stdout.write("LAUNCH_OK " + " ".join(f"{k}={v}" for k, v in fields.items()) + "\n")
 sys.stdout.flush()
 hvd.shutdown()
