@@ -47,36 +47,31 @@ def _horovodrun(env):
     )
 
 
-def _torchrun(env):
-    size = _int(env, "WORLD_SIZE")
-    rank = _int(env, "RANK")
-    local_size = _int(env, "LOCAL_WORLD_SIZE", size)
+def _consecutive(env, launcher, rank, size, local_rank, local_size, node=None):
+    """A launcher that places consecutive ranks on one node: without a node index
+    variable (Open MPI has none; its default mapping is by slot), the node of a
+    rank is rank // local_size."""
+    size_ = _int(env, size)
+    rank_ = _int(env, rank)
+    local_size_ = _int(env, local_size, size_)
     return World(
-        rank=rank,
-        size=size,
-        local_rank=_int(env, "LOCAL_RANK", rank % local_size),
-        local_size=local_size,
-        cross_rank=_int(env, "GROUP_RANK", rank // local_size),
-        cross_size=max(1, size // local_size),
-        launcher="torchrun",
+        rank=rank_,
+        size=size_,
+        local_rank=_int(env, local_rank, rank_ % local_size_),
+        local_size=local_size_,
+        cross_rank=_int(env, node, rank_ // local_size_) if node else rank_ // local_size_,
+        cross_size=max(1, size_ // local_size_),
+        launcher=launcher,
     )
+
+
+def _torchrun(env):
+    return _consecutive(env, "torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 
 
 def _mpirun(env):
-    # Open MPI has no node index; its default mapping (by slot) puts consecutive
-    # ranks on one node, so the node of a rank is rank // local_size.
-    size = _int(env, "OMPI_COMM_WORLD_SIZE")
-    rank = _int(env, "OMPI_COMM_WORLD_RANK")
-    local_size = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", size)
-    return World(
-        rank=rank,
-        size=size,
-        local_rank=_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", rank % local_size),
-        local_size=local_size,
-        cross_rank=rank // local_size,
-        cross_size=max(1, size // local_size),
-        launcher="mpirun",
-    )
+    return _consecutive(env, "mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                        "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")
 
 
 def slurm_tasks_per_node(value: str) -> list:
