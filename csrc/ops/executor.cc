@@ -1,5 +1,7 @@
 #include "ops/executor.h"
 
+#include "fusion/fusion_plan.h"
+
 namespace hvdz {
 namespace {
 
@@ -58,10 +60,13 @@ Status Executor::AllocateOutputs(DeviceContext& ctx, const std::vector<const Res
   for (size_t i = 0; i < entries.size(); ++i) {
     auto& e = entries[i];
     if (!e.allocate_output) continue;  // the caller passed the output
-    std::vector<int64_t> shape = group[i]->shape;
-    if (group[i]->op == OpType::kAllgather) {
+    const Response& r = *group[i];
+    std::vector<int64_t> shape = r.shape;
+    if (r.op == OpType::kAllgather) {
       shape[0] = 0;
-      for (auto d : group[i]->first_dims) shape[0] += d;
+      for (auto d : r.first_dims) shape[0] += d;
+    } else if (r.op == OpType::kReducescatter) {
+      shape[0] = ScatterRows(shape[0], size_, rank_);  // this rank's rows only
     }
     HVDZ_RETURN_IF_ERROR(e.allocate_output(shape, ctx.OutputStream(), &e.output));
   }

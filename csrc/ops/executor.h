@@ -19,7 +19,7 @@ class Executor {
  public:
   // `direct_max_tensors` < 0: chosen from `size`, see [Note: direct groups].
   Executor(int rank, int size, int direct_max_tensors, Timeline& timeline, Counters& counters)
-      : planner_(rank, size, direct_max_tensors), timeline_(timeline), counters_(counters) {}
+      : rank_(rank), size_(size), planner_(rank, size, direct_max_tensors), timeline_(timeline), counters_(counters) {}
 
   // `entries[i]` belongs to `group[i]`.
   void Execute(DeviceContext& ctx, const std::vector<const Response*>& group,
@@ -34,6 +34,8 @@ class Executor {
                     Clock::time_point start);
   void Mark(const std::vector<TensorEntry>& entries, const char* phase, Clock::time_point start);
 
+  int rank_;
+  int size_;
   Planner planner_;
   Timeline& timeline_;
   Counters& counters_;
