@@ -45,8 +45,8 @@ struct Cost {
 };
 
 struct GroupSpec {
-  OpType op;
-  DataType dtype, out_dtype;
+  OpType op = OpType::kAllreduce;
+  DataType dtype = DataType::kFloat32, out_dtype = DataType::kFloat32;
   std::vector<TensorSpec> tensors;
   ReduceOp reduce_op = ReduceOp::kSum;
   double prescale = 1.0, postscale = 1.0;
@@ -55,7 +55,11 @@ struct GroupSpec {
 };
 
 GroupSpec Group(OpType op, DataType dt, DataType out, std::vector<TensorSpec> ts) {
-  GroupSpec g{op, dt, out, std::move(ts)};
+  GroupSpec g;
+  g.op = op;
+  g.dtype = dt;
+  g.out_dtype = out;
+  g.tensors = std::move(ts);
   return g;
 }
 
@@ -274,9 +278,15 @@ void Rank::ExpectCost(const GroupSpec& g, size_t copies_before, size_t buffers_b
   for (size_t k = copies_before; k < ctx.copies.size(); ++k)
     (ctx.copies[k].stage == CopyStage::kBeforeCollective ? in : out) += static_cast<int>(ctx.copies[k].descs);
   const int want_in = g.op == OpType::kBroadcast && rank != g.root && c.in_descs_others >= 0 ? c.in_descs_others : c.in_descs;
-  if (want_in >= 0) EXPECT_EQ(in, want_in) << what << ": descriptors copied in";
-  if (c.out_descs >= 0) EXPECT_EQ(out, c.out_descs) << what << ": descriptors copied out";
-  if (c.buffers >= 0) EXPECT_EQ(static_cast<int>(ctx.buffers.size() - buffers_before), c.buffers) << what;
+  if (want_in >= 0) {
+    EXPECT_EQ(in, want_in) << what << ": descriptors copied in";
+  }
+  if (c.out_descs >= 0) {
+    EXPECT_EQ(out, c.out_descs) << what << ": descriptors copied out";
+  }
+  if (c.buffers >= 0) {
+    EXPECT_EQ(static_cast<int>(ctx.buffers.size() - buffers_before), c.buffers) << what;
+  }
   ASSERT_EQ(comm.launches().size(), launches_before + 1) << what << ": one launch per group";
   const auto& launch = comm.launches().back();
   EXPECT_EQ(launch.grouped, c.grouped) << what;
@@ -289,7 +299,9 @@ void Rank::ExpectCost(const GroupSpec& g, size_t copies_before, size_t buffers_b
   EXPECT_EQ(std::get<2>(key), g.out_dtype) << what;
   EXPECT_EQ(stats.begin()->second.collectives, 1u) << what;
   EXPECT_EQ(stats.begin()->second.tensors, g.tensors.size()) << what;
-  if (c.bytes >= 0) EXPECT_EQ(static_cast<int64_t>(stats.begin()->second.bytes), c.bytes) << what;
+  if (c.bytes >= 0) {
+    EXPECT_EQ(static_cast<int64_t>(stats.begin()->second.bytes), c.bytes) << what;
+  }
 }
 
 // Runs `groups` in order on every rank and checks each one's results and cost.
@@ -548,7 +560,9 @@ TEST(Executor, ACopyPhaseHasATimelineSpanWhenItCopies) {
   testing::CollectiveHub hub(2);
   testing::Spawn(2, [&](int r) {
     Rank k(hub, r, false);
-    if (r == 0) ASSERT_TRUE(k.timeline.Open(path, 0));
+    if (r == 0) {
+      ASSERT_TRUE(k.timeline.Open(path, 0));
+    }
     for (const auto& g : gs) k.Run(g);
     k.timeline.Close();
   });
