@@ -15,12 +15,12 @@ namespace py = pybind11;
 namespace hvdz {
 namespace {
 
-PyObject* g_internal_error = nullptr;  // the exception class, created once at import
-
-void ThrowIfError(const Status& s) {
+// Raises `s` in Python: bad arguments as ValueError, the rest as `internal_error`
+// (the module's HorovodInternalError).
+void ThrowIfError(const Status& s, const py::object& internal_error) {
   if (s.ok()) return;
   if (s.type() == StatusType::kInvalidArgument) throw py::value_error(s.reason());
-  PyErr_SetString(g_internal_error, s.reason().c_str());
+  PyErr_SetString(internal_error.ptr(), s.reason().c_str());
   throw py::error_already_set();
 }
 
@@ -125,8 +125,9 @@ Status Validate(const OpArgs& a, const std::string& name, DataType dt, DataType 
 class PyRuntime {
  public:
   // `shm_name` non-empty: every rank is on this host, negotiate through shared memory.
-  PyRuntime(GlooBackend backend, int rank, int size, int local_rank, int local_size, int cross_rank, int cross_size,
-            const std::string& shm_name) {
+  PyRuntime(py::object internal_error, GlooBackend backend, int rank, int size, int local_rank, int local_size,
+            int cross_rank, int cross_size, const std::string& shm_name)
+      : internal_error_(std::move(internal_error)) {
     std::string warnings;
     Params p = Params::FromEnvironment(&warnings);
     WorldInfo w{rank, size, local_rank, local_size, cross_rank, cross_size};
@@ -145,7 +146,7 @@ class PyRuntime {
     rt_ = std::make_unique<Runtime>(w, p, std::move(control), MakeGlooCommunicator(backend, p.transport_timeout_seconds),
                                     std::make_unique<TorchAllocator>());
     if (!warnings.empty()) HVDZ_LOG(rt_->logger(), kWarning) << warnings;
-    ThrowIfError(rt_->Start());
+    Check(rt_->Start());
   }
 
   // One call for single and grouped ops: the entries are accepted together or not at all.
@@ -153,7 +154,7 @@ class PyRuntime {
                                const std::vector<std::optional<at::Tensor>>& outputs,
                                const std::vector<std::string>& names) {
     if (inputs.size() != outputs.size() || inputs.size() != names.size())
-      ThrowIfError(Status::InvalidArgument("inputs, outputs and names must have the same length."));
+      Check(Status::InvalidArgument("inputs, outputs and names must have the same length."));
     void* stream = nullptr;
     for (const auto& in : inputs)
       if (in.is_cuda()) {
@@ -162,9 +163,9 @@ class PyRuntime {
       }
     std::vector<TensorEntry> entries(inputs.size());
     for (size_t i = 0; i < inputs.size(); ++i)
-      ThrowIfError(MakeEntry(a, inputs[i], outputs[i], names[i], stream, &entries[i]));
+      Check(MakeEntry(a, inputs[i], outputs[i], names[i], stream, &entries[i]));
     std::vector<int64_t> handles;
-    ThrowIfError(rt_->Enqueue(std::move(entries), stream, &handles));
+    Check(rt_->Enqueue(std::move(entries), stream, &handles));
     return handles;
   }
 
@@ -172,9 +173,9 @@ class PyRuntime {
                      const std::string& name) {
     void* stream = input.is_cuda() ? CurrentCudaStream(input.device().index()) : nullptr;
     std::vector<TensorEntry> entries(1);
-    ThrowIfError(MakeEntry(a, input, output, name, stream, &entries[0]));
+    Check(MakeEntry(a, input, output, name, stream, &entries[0]));
     std::vector<int64_t> handles;
-    ThrowIfError(rt_->Enqueue(std::move(entries), stream, &handles));
+    Check(rt_->Enqueue(std::move(entries), stream, &handles));
     return handles[0];
   }
 
@@ -185,7 +186,7 @@ class PyRuntime {
       s = rt_->handles().Wait(h);
     }
     at::Tensor out = TakeOutput(h);
-    ThrowIfError(s);
+    Check(s);
     return out;
   }
 
@@ -200,13 +201,13 @@ class PyRuntime {
     std::vector<at::Tensor> out;
     out.reserve(hs.size());
     for (auto h : hs) out.push_back(TakeOutput(h));
-    for (const auto& s : st) ThrowIfError(s);
+    for (const auto& s : st) Check(s);
     return out;
   }
 
   bool Poll(int64_t h) {
     bool done = false;
-    ThrowIfError(rt_->handles().Poll(h, &done));
+    Check(rt_->handles().Poll(h, &done));
     return done;
   }
 
@@ -320,6 +321,9 @@ class PyRuntime {
     return kept ? kept->output : at::Tensor();
   }
 
+  void Check(const Status& s) const { ThrowIfError(s, internal_error_); }
+
+  py::object internal_error_;
   std::unique_ptr<Runtime> rt_;
 };
 
@@ -339,8 +343,9 @@ at::Tensor CpuCast(const at::Tensor& t, at::ScalarType to, double scale) {
 PYBIND11_MODULE(_core, m) {
   using namespace hvdz;
   m.doc() = "horovod_zero C++ core";
-  static py::exception<std::runtime_error> internal_error(m, "HorovodInternalError", PyExc_RuntimeError);
-  g_internal_error = internal_error.ptr();
+  // The module holds its exception class as an attribute, and every Runtime a
+  // reference to it: no process-wide state outlives or precedes the module.
+  py::object internal_error = py::exception<std::runtime_error>(m, "HorovodInternalError", PyExc_RuntimeError);
 
   py::class_<OpArgs>(m, "OpArgs")
       .def(py::init<int, int, double, double, int, std::optional<at::ScalarType>>(), py::arg("op"),
@@ -348,7 +353,12 @@ PYBIND11_MODULE(_core, m) {
            py::arg("output_dtype"));
 
   py::class_<PyRuntime>(m, "Runtime")
-      .def(py::init<GlooBackend, int, int, int, int, int, int, const std::string&>(), py::arg("backend"),
+      .def(py::init([internal_error](GlooBackend backend, int rank, int size, int local_rank, int local_size,
+                                     int cross_rank, int cross_size, const std::string& shm_name) {
+             return std::make_unique<PyRuntime>(internal_error, std::move(backend), rank, size, local_rank, local_size,
+                                                cross_rank, cross_size, shm_name);
+           }),
+           py::arg("backend"),
            py::arg("rank"), py::arg("size"), py::arg("local_rank"), py::arg("local_size"), py::arg("cross_rank"),
            py::arg("cross_size"), py::arg("shm_name") = "")
       .def("enqueue", &PyRuntime::Enqueue)

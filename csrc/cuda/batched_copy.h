@@ -4,8 +4,8 @@
 
 #include <cuda_runtime.h>
 
+#include "common/copy_desc.h"
 #include "common/types.h"
-#include "fusion/copy_desc.h"
 
 namespace hvdz {
 

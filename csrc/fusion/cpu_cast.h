@@ -5,8 +5,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/copy_desc.h"
 #include "common/types.h"
-#include "fusion/copy_desc.h"
 
 namespace hvdz {
 

@@ -21,10 +21,10 @@
 #include "common/logging.h"
 #include "common/message.h"
 #include "common/params.h"
-#include "negotiation/control_plane.h"
 #include "negotiation/coordinator.h"
 #include "negotiation/response_cache.h"
 #include "negotiation/stall_inspector.h"
+#include "transport/control_plane.h"
 
 namespace hvdz {
 

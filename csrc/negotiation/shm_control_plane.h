@@ -16,7 +16,7 @@
 #include <memory>
 #include <string>
 
-#include "negotiation/control_plane.h"
+#include "transport/control_plane.h"
 
 namespace hvdz {
 

@@ -1,6 +1,6 @@
 #include "ops/copy_streams.h"
 
-#include "transport/nccl/nccl_communicator.h"  // CudaStatus
+#include "common/cuda_status.h"
 
 namespace hvdz {
 

@@ -26,9 +26,9 @@
 #include <utility>
 #include <vector>
 
+#include "common/copy_desc.h"
 #include "common/status.h"
-#include "fusion/copy_desc.h"
-#include "runtime/tensor_entry.h"
+#include "common/tensor_entry.h"
 
 namespace hvdz {
 

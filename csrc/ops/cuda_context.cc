@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "common/cuda_status.h"
 #include "common/thread_timing.h"
 #include "cuda/batched_copy.h"
 

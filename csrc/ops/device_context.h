@@ -5,8 +5,8 @@
 #include <memory>
 #include <vector>
 
-#include "fusion/copy_desc.h"
-#include "runtime/tensor_entry.h"
+#include "common/copy_desc.h"
+#include "common/tensor_entry.h"
 #include "transport/communicator.h"
 
 namespace hvdz {

@@ -6,8 +6,8 @@
 
 #include "common/logging.h"
 #include "common/params.h"
-#include "negotiation/control_plane.h"
 #include "ops/device_context.h"
+#include "transport/control_plane.h"
 
 namespace hvdz {
 

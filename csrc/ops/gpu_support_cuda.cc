@@ -3,6 +3,7 @@
 #include <mutex>
 #include <vector>
 
+#include "common/cuda_status.h"
 #include "ops/cuda_context.h"
 #include "ops/gpu_support.h"
 

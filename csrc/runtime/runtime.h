@@ -11,7 +11,6 @@
 #include "common/logging.h"
 #include "common/params.h"
 #include "common/timeline.h"
-#include "negotiation/control_plane.h"
 #include "negotiation/controller.h"
 #include "ops/counters.h"
 #include "ops/device_context.h"
@@ -20,6 +19,7 @@
 #include "runtime/handle_table.h"
 #include "runtime/tensor_queue.h"
 #include "transport/communicator.h"
+#include "transport/control_plane.h"
 
 namespace hvdz {
 

@@ -8,7 +8,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "runtime/tensor_entry.h"
+#include "common/tensor_entry.h"
 
 namespace hvdz {
 

@@ -9,7 +9,7 @@
 #include <thread>
 #include <vector>
 
-#include "negotiation/control_plane.h"
+#include "transport/control_plane.h"
 
 namespace hvdz {
 namespace testing {

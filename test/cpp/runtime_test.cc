@@ -8,6 +8,7 @@
 #include <future>
 #include <memory>
 
+#include "host_memory.h"
 #include "in_memory_control_plane.h"
 #include "runtime/runtime.h"
 
@@ -30,30 +31,13 @@ class LocalCommunicator : public Communicator {
   Status Broadcast(void*, int64_t, DataType, int) override { return Status::OK(); }
 };
 
-class MallocAllocator : public Allocator {
- public:
-  Status Allocate(int device, DataType dtype, const std::vector<int64_t>& shape, TensorDesc* out,
-                  std::shared_ptr<void>* holder) override {
-    if (device != kCpuDevice) return Status::Error("no device memory here");
-    out->dtype = dtype;
-    out->shape = shape;
-    out->device = device;
-    holder->reset(std::malloc(std::max<size_t>(1, out->bytes())), std::free);
-    out->data = holder->get();
-    return Status::OK();
-  }
-  Status AllocateOnStream(int device, int64_t bytes, void*, TensorDesc* out, std::shared_ptr<void>* holder) override {
-    return Allocate(device, DataType::kUInt8, {bytes}, out, holder);
-  }
-};
-
 struct Fixture {
   testing::Hub hub{1};
   std::unique_ptr<Runtime> rt;
   Fixture() {
     Params p;
     rt = std::make_unique<Runtime>(WorldInfo{}, p, std::make_unique<testing::InMemoryControlPlane>(hub, 0),
-                                   std::make_unique<LocalCommunicator>(), std::make_unique<MallocAllocator>());
+                                   std::make_unique<LocalCommunicator>(), std::make_unique<testing::MallocAllocator>());
     EXPECT_TRUE(rt->Start().ok());
   }
 };

@@ -7,8 +7,8 @@
 
 #include <memory>
 
-#include "negotiation/control_plane.h"
 #include "transport/communicator.h"
+#include "transport/control_plane.h"
 
 namespace hvdz {
 

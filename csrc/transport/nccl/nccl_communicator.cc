@@ -4,6 +4,8 @@
 #include <string>
 #include <vector>
 
+#include "common/cuda_status.h"
+
 namespace hvdz {
 namespace {
 
@@ -30,11 +32,6 @@ ncclRedOp_t ToNccl(ReduceOp op) {
 }
 
 }  // namespace
-
-Status CudaStatus(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return Status::OK();
-  return Status::Error(std::string(what) + " failed: " + cudaGetErrorString(e));
-}
 
 Status NcclStatus(ncclResult_t r, const char* what) {
   if (r == ncclSuccess) return Status::OK();

@@ -7,8 +7,8 @@
 
 #include <memory>
 
-#include "negotiation/control_plane.h"
 #include "transport/communicator.h"
+#include "transport/control_plane.h"
 
 namespace hvdz {
 
@@ -41,8 +41,7 @@ class NcclCommunicator : public Communicator {
   bool aborted_ = false;
 };
 
-// Formats a CUDA or NCCL failure with the call that failed.
-Status CudaStatus(cudaError_t e, const char* what);
+// Formats an NCCL failure with the call that failed.
 Status NcclStatus(ncclResult_t r, const char* what);
 
 }  // namespace hvdz

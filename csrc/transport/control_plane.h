@@ -1,5 +1,7 @@
-// The byte exchanges negotiation needs. Implemented over Gloo in production and
-// in memory (ranks as threads) in the C++ tests.
+// The byte exchanges negotiation needs, and the NCCL transport for its unique id.
+// Implemented over Gloo (transport/gloo), over shared memory (negotiation/) and in
+// memory (ranks as threads) in the C++ tests. It lives here, below negotiation,
+// because transports implement and use it.
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,6 @@
-// One submitted tensor, from enqueue until its callback fires.
+// One submitted tensor, from enqueue until its callback fires, and the allocator
+// for its memory: what the runtime queues and the executor runs, so it lives below
+// both.
 #pragma once
 
 #include <functional>
