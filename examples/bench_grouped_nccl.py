@@ -1,7 +1,7 @@
 """Plain torch.distributed calls (horovod_zero is not used): how fast NCCL runs many per-tensor calls
 in one group against one flat call of the same bytes. This is what decides when a
 fused op should skip the fusion buffer ([Note: direct groups] in
-csrc/ops/executor_direct.cc).
+csrc/ops/plan_direct.cc).
 
     torchrun --nproc_per_node=N examples/bench_grouped_nccl.py
 
