@@ -25,9 +25,9 @@ class SparseAllreduceHandle(mpi_ops.ComposedHandle):
             indices, values = mpi_ops.synchronize([self._indices, self._values])
             if self._divisor != 1:
                 values = values / self._divisor
-            # The entries come from valid sparse tensors: no invariant check needed.
-            self._result = torch.sparse_coo_tensor(indices.t(), values, self._like.shape, dtype=values.dtype,
-                                                   device=self._like.device, check_invariants=False)
+            # Tensor.new, not torch.sparse_coo_tensor: that one warns on every first use in
+            # a process that invariant checks are off, whatever check_invariants says.
+            self._result = self._like.new(indices.t(), values, self._like.shape)
         return self._result
 
 
