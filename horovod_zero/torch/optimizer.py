@@ -17,6 +17,7 @@ are looked up on the wrapped optimizer.
 import contextlib
 import warnings
 import weakref
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -68,6 +69,15 @@ def _reduction_units(params, groups):
         if unit:
             units.append(unit)
     return units + [(p,) for p in params if p not in placed]
+
+
+class _Reduction(NamedTuple):
+    """One gradient's reduction in flight."""
+    param: torch.Tensor
+    handle: object  # the runtime's handle, or a SparseAllreduceHandle
+    wire: Optional[torch.Tensor]  # the tensor allreduced in place; None for a sparse allgather
+    ctx: object  # the compressor's context
+    densified: bool  # a sparse gradient sent dense (sparse_as_dense)
 
 
 def _remove_all(handles):
@@ -126,7 +136,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._groups = groups
         self._names = _parameter_names(optimizer.param_groups, named_parameters)
         self._named = named_parameters is not None
-        self._handles = {}  # unit -> [(param, what its reduction returns, how to finish it)]
+        self._handles = {}  # unit -> [_Reduction] of the unit's gradients
         self._delay = {}  # param -> backward passes left before its reduction starts
         self._ready = {}  # unit -> parameters of it whose reduction may start
         self._touched = set()  # parameters whose gradient backward has produced since the last synchronize
@@ -243,42 +253,36 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _submit(self, unit):
         """Starts the reduction of a unit's gradients: dense ones as one (grouped) allreduce
         in place, sparse ones (unless sparse_as_dense) by allgathering their entries."""
-        pending, wires, names = [], [], []
+        sparse, dense = [], []
         for p in unit:
             if p.grad is None:
                 # No gradient here, but other ranks may have one: reduce zeros (Horovod does too).
                 p.grad = torch.zeros_like(p)
             g = p.grad
             if g.is_sparse and not self.sparse_as_dense:
-                pending.append((p, sparse_allreduce_async(g, self._names[p], self.op), None))
+                sparse.append(_Reduction(p, sparse_allreduce_async(g, self._names[p], self.op), None, None, False))
                 continue
-            dense = g.to_dense() if g.is_sparse else g if g.is_contiguous() else g.contiguous()
-            wire, ctx = self._compression.compress(dense)
-            pending.append((p, None, (wire, ctx, g.is_sparse)))
-            wires.append(wire)
-            names.append(self._names[p])
-        if wires:
-            pre, post = self._scales()
-            if len(wires) == 1:
-                handles = [mpi_ops._enqueue_one(_core.OP_ALLREDUCE, wires[0], wires[0], names[0], self.op, pre, post)]
-            else:
-                handles = mpi_ops._enqueue(_core.OP_ALLREDUCE, wires, wires, names, self.op, pre, post)
-            handles = iter(handles)
-            pending = [(p, h if h is not None else next(handles), how) for p, h, how in pending]
-        self._handles[unit] = pending
+            wire, ctx = self._compression.compress(g.to_dense() if g.is_sparse else g.contiguous())
+            dense.append((p, wire, ctx, g.is_sparse))
+        handles = self._allreduce_in_place([wire for _, wire, _, _ in dense], [self._names[p] for p, *_ in dense])
+        self._handles[unit] = sparse + [_Reduction(p, h, *rest) for (p, *rest), h in zip(dense, handles)]
 
-    def _finish(self, p, output, how):
-        if how is None:  # a sparse reduction: its result is the new gradient
+    def _allreduce_in_place(self, tensors, names):
+        if not tensors:
+            return []
+        pre, post = self._scales()
+        if len(tensors) == 1:  # the runtime's cheaper path for one tensor
+            return [mpi_ops._enqueue_one(_core.OP_ALLREDUCE, tensors[0], tensors[0], names[0], self.op, pre, post)]
+        return mpi_ops._enqueue(_core.OP_ALLREDUCE, tensors, tensors, names, self.op, pre, post)
+
+    def _finish(self, r, output):
+        p = r.param
+        if r.wire is None:  # a sparse reduction: its result is the new gradient
             p.grad = output
-            return
-        wire, ctx, sparse = how
-        if wire is p.grad:
-            return  # reduced in place
-        result = self._compression.decompress(output, ctx)
-        if sparse:
-            p.grad = result.to_sparse()  # sparse_as_dense: the optimizer still gets a sparse gradient
-        else:
-            p.grad.copy_(result)
+        elif r.densified:
+            p.grad = self._compression.decompress(output, r.ctx).to_sparse()  # the optimizer expects sparse
+        elif r.wire is not p.grad:  # else reduced in place already
+            p.grad.copy_(self._compression.decompress(output, r.ctx))
 
     def synchronize(self):
         """Waits for every gradient's reduction, starting those backward has not (a
@@ -291,11 +295,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for unit in self._units:
                 if unit not in self._handles:
                     self._submit(unit)
-            pending = [entry for entries in self._handles.values() for entry in entries]
-            dense = [h for _, h, how in pending if how is not None]
-            outputs = iter(mpi_ops.synchronize(dense))  # one wait for all of them
-            for p, h, how in pending:
-                self._finish(p, next(outputs) if how is not None else mpi_ops.synchronize(h), how)
+            reductions = [r for rs in self._handles.values() for r in rs]
+            dense = iter(mpi_ops.synchronize([r.handle for r in reductions if r.wire is not None]))  # one wait
+            for r in reductions:
+                self._finish(r, next(dense) if r.wire is not None else mpi_ops.synchronize(r.handle))
         finally:
             self._reset()
         self._synchronized = True
