@@ -74,12 +74,16 @@ def allgather_object(obj, name=None):
     return out
 
 
-def broadcast_optimizer_state(optimizer, root_rank=0):
+def broadcast_optimizer_state(optimizer, root_rank=0, model=None):
     """Makes every rank's optimizer state and hyperparameters root_rank's: the state of
     each parameter (tensors such as momentum buffers, and values such as a step
     count) and every param group's settings (lr, betas, ...). Parameters are matched
     by their position in param_groups, as in state_dict(). Works on torch.optim
-    optimizers and on hvd.DistributedOptimizer; call it on every rank."""
+    optimizers and on hvd.DistributedOptimizer; call it on every rank.
+
+    Unlike Horovod's, it takes no optimizer step to create missing state: a rank
+    receives the state root has (none if root has none). `model` is accepted for
+    Horovod's signature and not needed."""
     from horovod_zero.torch.zero import DistributedZeroOptimizer
     if isinstance(optimizer, DistributedZeroOptimizer):
         raise ValueError("A DistributedZeroOptimizer's state is sharded (each rank holds its own part) and starts "
