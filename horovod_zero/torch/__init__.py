@@ -1,24 +1,39 @@
 """The horovod_zero PyTorch API: ``import horovod_zero.torch as hvd``."""
 
 from horovod_zero.torch.basics import (
+    ccl_built,
     collective_stats,
     cross_rank,
     cross_size,
     cuda_built,
+    ddl_built,
     device,
     gloo_built,
+    gloo_enabled,
     init,
+    is_homogeneous,
     is_initialized,
     local_rank,
     local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
     nccl_built,
     rank,
+    rocm_built,
     runtime_info,
     shutdown,
     size,
 )
-from horovod_zero.torch.functions import broadcast_object, broadcast_parameters
+from horovod_zero.torch.compression import Compression
+from horovod_zero.torch.functions import (
+    allgather_object,
+    broadcast_object,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+)
 from horovod_zero.torch.mpi_ops import (
+    Adasum,
     Average,
     HorovodInternalError,
     Max,
@@ -48,5 +63,7 @@ from horovod_zero.torch.mpi_ops import (
     reducescatter_async,
     synchronize,
 )
+from horovod_zero.torch.optimizer import DistributedOptimizer
+from horovod_zero.torch.sparse import sparse_allreduce_async
 from horovod_zero.torch import zero
 from horovod_zero.torch.zero import DistributedZeroOptimizer

@@ -18,7 +18,8 @@ except ImportError as e:  # pragma: no cover - only without a build
 
 
 class _State:
-    """What init() creates: the world, the Gloo process group, the C++ runtime."""
+    """What init() creates: the world, the Gloo process group, the C++ runtime, and
+    the settings read once from the environment then."""
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -27,13 +28,39 @@ class _State:
         self.backend = None
         self.store = None
         self.generation = 0
+        self.exact_gradients = False  # HOROVOD_ZERO_EXACT_GRADIENTS, see autograd.py
+        self.homogeneous = True  # every node runs the same number of ranks
 
 
 _state = _State()
 
+_EXACT_GRADIENTS_ENV = "HOROVOD_ZERO_EXACT_GRADIENTS"
+
 
 def _timeout_s():
     return float(os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS", "30") or 30)
+
+
+def _read_exact_gradients() -> bool:
+    value = os.environ.get(_EXACT_GRADIENTS_ENV, "")
+    if value in ("", "0"):
+        return False
+    if value == "1":
+        return True
+    raise ValueError(
+        f"{_EXACT_GRADIENTS_ENV}={value!r} is not a valid value: use 1 (collectives' gradients are the exact "
+        "gradients of the sum of every rank's loss) or 0 / unset (Horovod's gradients, the default).")
+
+
+def _all_local_sizes_equal(backend, world: World) -> bool:
+    """Whether every node runs as many ranks as this one: one small Gloo allgather,
+    run before the runtime takes the process group over."""
+    if world.size == 1:
+        return True
+    mine = torch.tensor([world.local_size], dtype=torch.int64)
+    every = [torch.empty_like(mine) for _ in range(world.size)]
+    backend.allgather([every], [mine]).wait()
+    return all(int(t) == world.local_size for t in every)
 
 
 def init():
@@ -43,15 +70,18 @@ def init():
     with _state.lock:
         if _state.runtime is not None:
             return
+        exact_gradients = _read_exact_gradients()  # refused before anything starts
         world = detect_world()
         timeout = _timeout_s()
         store = make_store(world, _state.generation, timeout)
         backend = make_gloo_backend(store, world, timeout)
+        homogeneous = _all_local_sizes_equal(backend, world)
         runtime = _core.Runtime(
             backend, world.rank, world.size, world.local_rank, world.local_size, world.cross_rank, world.cross_size,
             shm_control_name(store, world),
         )
         _state.world, _state.store, _state.backend, _state.runtime = world, store, backend, runtime
+        _state.exact_gradients, _state.homogeneous = exact_gradients, homogeneous
         _state.generation += 1
 
 
@@ -109,17 +139,73 @@ def cross_size() -> int:
     return _world().cross_size
 
 
+def _exact_gradients() -> bool:
+    """HOROVOD_ZERO_EXACT_GRADIENTS as read by init()."""
+    _runtime()
+    return _state.exact_gradients
+
+
+# --- what this build and job use (Horovod's query functions) ---------------------
+
 def cuda_built() -> bool:
-    """Whether the CUDA/NCCL path is usable in this process (built, and a GPU visible)."""
+    """Whether the CUDA/NCCL path is usable in this process: built with CUDA, and a
+    GPU visible. (Horovod's answers the build question alone; a CUDA build on a
+    machine without GPUs says False here, since only CPU collectives run there.)"""
     return bool(_runtime().info()["cuda"])
 
 
-def nccl_built() -> bool:
-    return cuda_built()
+def nccl_built() -> int:
+    """As Horovod: NCCL's version code (e.g. 22105 for 2.21.5) when the NCCL path is
+    usable (see cuda_built()), else 0. It is the NCCL that torch loads: the runtime
+    links against that one."""
+    if not cuda_built():
+        return 0
+    major, minor, patch = torch.cuda.nccl.version()[:3]
+    # NCCL_VERSION_CODE's encoding changed at 2.9.
+    return major * 10000 + minor * 100 + patch if (major, minor) >= (2, 9) else major * 1000 + minor * 100 + patch
 
 
 def gloo_built() -> bool:
+    """Always: CPU collectives and negotiation run over torch's Gloo."""
     return True
+
+
+def gloo_enabled() -> bool:
+    """Whether Gloo is in use now: from init() until shutdown()."""
+    return is_initialized()
+
+
+def mpi_built() -> bool:
+    """Never: horovod_zero runs without MPI (mpirun only launches; see runner/)."""
+    return False
+
+
+def mpi_enabled() -> bool:
+    return False
+
+
+def mpi_threads_supported() -> bool:
+    """False: there is no MPI to share threads with. (Horovod raises ValueError
+    when MPI is not enabled; a False answer keeps scripts' non-MPI branch working.)"""
+    return False
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def rocm_built() -> bool:
+    return False
+
+
+def is_homogeneous() -> bool:
+    """Whether every node runs the same number of ranks (compared once, at init())."""
+    _runtime()
+    return _state.homogeneous
 
 
 def device() -> torch.device:

@@ -55,3 +55,93 @@ def broadcast_object(obj, root_rank=0, name=None):
     if payload.numel():
         broadcast_(payload, root_rank, name=f"{name}.data")
     return pickle.loads(payload.numpy().tobytes())
+
+
+def allgather_object(obj, name=None):
+    """Returns the list of every rank's `obj` (pickled), in rank order. Every rank
+    must call it; the objects may differ in type and size."""
+    from horovod_zero.torch.mpi_ops import grouped_allgather_async
+    name = name or "allgather_object"
+    data = pickle.dumps(obj)
+    # One grouped op: each rank's byte count (to split the bytes apart) and its bytes.
+    lengths, gathered = synchronize(grouped_allgather_async(
+        [torch.tensor([len(data)], dtype=torch.int64), torch.frombuffer(bytearray(data), dtype=torch.uint8)],
+        name=[f"{name}.len", f"{name}.data"]))
+    out, start = [], 0
+    for n in lengths.tolist():
+        out.append(pickle.loads(gathered[start:start + n].numpy().tobytes()))
+        start += n
+    return out
+
+
+def broadcast_optimizer_state(optimizer, root_rank=0, model=None):
+    """Makes every rank's optimizer state and hyperparameters root_rank's: the state of
+    each parameter (tensors such as momentum buffers, and values such as a step
+    count) and every param group's settings (lr, betas, ...). Parameters are matched
+    by their position in param_groups, as in state_dict(). Works on torch.optim
+    optimizers and on hvd.DistributedOptimizer; call it on every rank.
+
+    Unlike Horovod's, it takes no optimizer step to create missing state: a rank
+    receives the state root has (none if root has none). `model` is accepted for
+    Horovod's signature and not needed."""
+    from horovod_zero.torch.zero import DistributedZeroOptimizer
+    if isinstance(optimizer, DistributedZeroOptimizer):
+        raise ValueError("A DistributedZeroOptimizer's state is sharded (each rank holds its own part) and starts "
+                         "alike on every rank. To resume from a checkpoint, use its state_dict() and "
+                         "load_state_dict() instead of broadcast_optimizer_state().")
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    shape = (len(optimizer.param_groups), len(params))
+    # Every rank says how many groups and parameters it has; root adds its layout.
+    everyone = allgather_object((shape, _state_layout(optimizer, params) if rank() == root_rank else None),
+                                name="broadcast_optimizer_state")
+    root_shape, layout = everyone[root_rank]
+    differ = [k for k, (s, _) in enumerate(everyone) if s != root_shape]
+    if differ:
+        raise ValueError(
+            f"Rank {root_rank}'s optimizer has {root_shape[0]} param groups and {root_shape[1]} parameters, but "
+            f"ranks {differ} have {[everyone[k][0] for k in differ]}: build the same optimizer over the same model "
+            "on every rank.")
+    received = {}
+    for i, (p, entries) in enumerate(zip(params, layout["state"])):
+        mine = optimizer.state.get(p, {})
+        for key, spec in entries.items():
+            if isinstance(spec, _TensorSpec):
+                t = mine[key].contiguous() if rank() == root_rank else _receiver(mine.get(key), spec, p)
+                received[i, key] = (t, broadcast_async_(t, root_rank, name=f"broadcast_optimizer_state.{i}.{key}"))
+    synchronize([h for _, h in received.values()])
+    if rank() == root_rank:
+        return
+    for group, settings in zip(optimizer.param_groups, layout["groups"]):
+        group.update(settings)
+    for i, (p, entries) in enumerate(zip(params, layout["state"])):
+        if entries:
+            optimizer.state[p] = {k: received[i, k][0] if isinstance(v, _TensorSpec) else v for k, v in entries.items()}
+        else:
+            optimizer.state.pop(p, None)
+
+
+class _TensorSpec:
+    """A state tensor in the layout root sends: what a receiver allocates."""
+
+    def __init__(self, t, p):
+        self.shape, self.dtype = tuple(t.shape), t.dtype
+        self.with_param = t.device == p.device  # else on the CPU (e.g. Adam's step count)
+
+
+def _state_layout(optimizer, params):
+    """Root's param group settings, and per parameter its state, with a _TensorSpec
+    in place of each tensor (the tensors themselves go by broadcast)."""
+    return {
+        "groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
+        "state": [{k: _TensorSpec(v, p) if isinstance(v, torch.Tensor) else v
+                   for k, v in optimizer.state.get(p, {}).items()} for p in params],
+    }
+
+
+def _receiver(t, spec, p):
+    """This rank's tensor to receive root's into: its own when it fits, else a new one."""
+    device = p.device if spec.with_param else torch.device("cpu")
+    if (isinstance(t, torch.Tensor) and tuple(t.shape) == spec.shape and t.dtype == spec.dtype
+            and t.device == device and t.is_contiguous()):
+        return t
+    return torch.empty(spec.shape, dtype=spec.dtype, device=device)

@@ -9,6 +9,7 @@ from collections import defaultdict
 import torch
 
 from horovod_zero.torch.basics import _core, _runtime, size
+from horovod_zero.torch.compression import Compression
 
 HorovodInternalError = _core.HorovodInternalError
 
@@ -16,6 +17,14 @@ Sum = _core.SUM
 Average = _core.AVERAGE
 Min = _core.MIN
 Max = _core.MAX
+# Horovod's name, so that scripts that mention it import; not an op of our core,
+# and every op that is given it refuses it (_resolve_op).
+Adasum = 100
+
+_ADASUM_REFUSED = (
+    "hvd.Adasum is not supported by horovod_zero. Use op=hvd.Average (Horovod's default: "
+    "gradients averaged over ranks; scale the learning rate with hvd.size() as Horovod's docs do "
+    "for Average) or op=hvd.Sum.")
 
 _counters = defaultdict(itertools.count)
 _counter_lock = threading.Lock()
@@ -33,6 +42,8 @@ def _resolve_op(op, average):
             raise ValueError("Pass either op= or the deprecated average=, not both.")
         return Average if average else Sum
     op = Average if op is None else op
+    if op == Adasum:
+        raise NotImplementedError(_ADASUM_REFUSED)
     if op not in (Sum, Average, Min, Max):
         raise ValueError(f"op={op!r} is not one of hvd.Sum, hvd.Average, hvd.Min, hvd.Max.")
     return op
@@ -79,6 +90,17 @@ def _enqueue_one(op, tensor, output, name, reduce_op=Sum, prescale=1.0, postscal
     return _runtime().enqueue_one(_op_args(op, reduce_op, prescale, postscale, root, output_dtype), tensor, output, name)
 
 
+class ComposedHandle:
+    """A handle whose result Python builds from other ops' outputs (the sparse
+    allreduce's). synchronize() calls it; as in Horovod, calling it directly works too."""
+
+    def __call__(self):
+        raise NotImplementedError
+
+    def poll(self) -> bool:
+        raise NotImplementedError
+
+
 def synchronize(handle):
     """Waits for a handle, or a (nested) list of them such as grouped ops return, and
     returns the output(s) in the same shape; raises HorovodInternalError if an op failed."""
@@ -87,6 +109,8 @@ def synchronize(handle):
         if all(isinstance(h, int) for h in handle):
             return rt.wait_all(list(handle))  # one release of the GIL for all of them
         return [synchronize(h) for h in handle]
+    if isinstance(handle, ComposedHandle):
+        return handle()
     return rt.wait(handle)
 
 
@@ -95,13 +119,43 @@ def poll(handle) -> bool:
     rt = _runtime()
     if isinstance(handle, (list, tuple)):
         return all(poll(h) for h in handle)
+    if isinstance(handle, ComposedHandle):
+        return handle.poll()
     return rt.poll(handle)
+
+
+def _reducing(function, run, tensors, names, compression, op, prescale_factor, postscale_factor):
+    """A synchronous allreduce or reducescatter: compresses, reduces (through the
+    autograd Function of that name when an input requires grad, else with
+    run(tensors, names, op, prescale, postscale)), decompresses."""
+    pairs = [compression.compress(t) for t in tensors]
+    wire = [t for t, _ in pairs]
+    if _differentiable_any(wire):
+        from horovod_zero.torch import autograd
+        outs = getattr(autograd, function).apply(names, op, prescale_factor, postscale_factor, *wire)
+    else:
+        outs = run(wire, names, op, prescale_factor, postscale_factor)
+    return [compression.decompress(t, ctx) for t, (_, ctx) in zip(outs, pairs)]
+
+
+def _one(start):
+    """run() for _reducing from a one-tensor async op."""
+    return lambda tensors, names, *args: [synchronize(start(tensors[0], names[0], *args))]
+
+
+def _waited(start):
+    """run() for _reducing from a grouped async op."""
+    return lambda *args: synchronize(start(*args))
 
 
 # --- allreduce ---------------------------------------------------------------
 
 def _differentiable(tensor):
     return tensor.requires_grad and torch.is_grad_enabled()
+
+
+def _differentiable_any(tensors):
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def _allreduce_async(tensor, name, op, prescale_factor, postscale_factor):
@@ -113,14 +167,16 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
     return _allreduce_async(tensor, _name("allreduce", name), op, prescale_factor, postscale_factor)
 
 
-def allreduce(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
-    """Differentiable when the input requires grad (Sum and Average)."""
-    op = _resolve_op(op, average)
-    name = _name("allreduce", name)
-    if _differentiable(tensor):
-        from horovod_zero.torch.autograd import Allreduce
-        return Allreduce.apply(tensor, name, op, prescale_factor, postscale_factor)
-    return synchronize(_allreduce_async(tensor, name, op, prescale_factor, postscale_factor))
+def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
+              postscale_factor=1.0):
+    """Differentiable when the input requires grad (gradients: see autograd.py).
+    `compression` (hvd.Compression.fp16) sets what crosses the wire; the result has
+    the input's dtype."""
+    op, name = _resolve_op(op, average), _name("allreduce", name)
+    if compression is Compression.none and not _differentiable(tensor):
+        return synchronize(_allreduce_async(tensor, name, op, prescale_factor, postscale_factor))  # no lists: ~2 us
+    return _reducing("Allreduce", _one(_allreduce_async), [tensor], [name], compression, op, prescale_factor,
+                     postscale_factor)[0]
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
@@ -133,15 +189,24 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, po
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor))
 
 
+def _grouped_allreduce_async(tensors, names, op, prescale_factor, postscale_factor):
+    return _enqueue(_core.OP_ALLREDUCE, tensors, [None] * len(tensors), names, op, prescale_factor, postscale_factor)
+
+
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
     tensors = _check_tensors(tensors, "grouped_allreduce")
     op = _resolve_op(op, average)
-    return _enqueue(_core.OP_ALLREDUCE, tensors, [None] * len(tensors), _names("grouped_allreduce", name, len(tensors)),
-                    op, prescale_factor, postscale_factor)
+    return _grouped_allreduce_async(tensors, _names("grouped_allreduce", name, len(tensors)), op, prescale_factor,
+                                    postscale_factor)
 
 
-def grouped_allreduce(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
-    return synchronize(grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor))
+def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
+                      postscale_factor=1.0):
+    """Differentiable when an input requires grad, as allreduce."""
+    tensors = _check_tensors(tensors, "grouped_allreduce")
+    return _reducing("Allreduce", _waited(_grouped_allreduce_async), tensors,
+                     _names("grouped_allreduce", name, len(tensors)), compression, _resolve_op(op, average),
+                     prescale_factor, postscale_factor)
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
@@ -173,18 +238,27 @@ def allgather(tensor, name=None, output_dtype=None):
     name = _name("allgather", name)
     if _differentiable(tensor):
         from horovod_zero.torch.autograd import Allgather
-        return Allgather.apply(tensor, name, output_dtype)
+        return Allgather.apply([name], output_dtype, tensor)[0]
     return synchronize(_allgather_async(tensor, name, output_dtype))
+
+
+def _grouped_allgather_async(tensors, names, output_dtype):
+    return _enqueue(_core.OP_ALLGATHER, tensors, [None] * len(tensors), names, output_dtype=output_dtype)
 
 
 def grouped_allgather_async(tensors, name=None, output_dtype=None):
     tensors = _check_tensors(tensors, "grouped_allgather")
-    return _enqueue(_core.OP_ALLGATHER, tensors, [None] * len(tensors), _names("grouped_allgather", name, len(tensors)),
-                    output_dtype=output_dtype)
+    return _grouped_allgather_async(tensors, _names("grouped_allgather", name, len(tensors)), output_dtype)
 
 
 def grouped_allgather(tensors, name=None, output_dtype=None):
-    return synchronize(grouped_allgather_async(tensors, name, output_dtype))
+    """Differentiable when an input requires grad, as allgather."""
+    tensors = _check_tensors(tensors, "grouped_allgather")
+    names = _names("grouped_allgather", name, len(tensors))
+    if _differentiable_any(tensors):
+        from horovod_zero.torch.autograd import Allgather
+        return list(Allgather.apply(names, output_dtype, *tensors))
+    return synchronize(_grouped_allgather_async(tensors, names, output_dtype))
 
 
 # --- reducescatter -------------------------------------------------------------
@@ -210,25 +284,32 @@ def reducescatter_async(tensor, name=None, op=None, prescale_factor=1.0, postsca
     return _reducescatter_async(tensor, _name("reducescatter", name), op, prescale_factor, postscale_factor)
 
 
-def reducescatter(tensor, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
-    """Differentiable when the input requires grad (Sum and Average)."""
-    op = _resolve_op(op, None)
-    name = _name("reducescatter", name)
-    if _differentiable(tensor):
-        from horovod_zero.torch.autograd import Reducescatter
-        return Reducescatter.apply(tensor, name, op, prescale_factor, postscale_factor)
-    return synchronize(_reducescatter_async(tensor, name, op, prescale_factor, postscale_factor))
+def reducescatter(tensor, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
+                  postscale_factor=1.0):
+    """Differentiable when the input requires grad (gradients: see autograd.py)."""
+    return _reducing("Reducescatter", _one(_reducescatter_async), [tensor], [_name("reducescatter", name)],
+                     compression, _resolve_op(op, None), prescale_factor, postscale_factor)[0]
+
+
+def _grouped_reducescatter_async(tensors, names, op, prescale_factor, postscale_factor):
+    return _enqueue(_core.OP_REDUCESCATTER, tensors, [_scatter_output(t) for t in tensors], names, op,
+                    prescale_factor, postscale_factor)
 
 
 def grouped_reducescatter_async(tensors, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
     tensors = _check_tensors(tensors, "grouped_reducescatter")
     op = _resolve_op(op, None)
-    return _enqueue(_core.OP_REDUCESCATTER, tensors, [_scatter_output(t) for t in tensors],
-                    _names("grouped_reducescatter", name, len(tensors)), op, prescale_factor, postscale_factor)
+    return _grouped_reducescatter_async(tensors, _names("grouped_reducescatter", name, len(tensors)), op,
+                                        prescale_factor, postscale_factor)
 
 
-def grouped_reducescatter(tensors, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
-    return synchronize(grouped_reducescatter_async(tensors, name, op, prescale_factor, postscale_factor))
+def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
+                          postscale_factor=1.0):
+    """Differentiable when an input requires grad, as reducescatter."""
+    tensors = _check_tensors(tensors, "grouped_reducescatter")
+    return _reducing("Reducescatter", _waited(_grouped_reducescatter_async), tensors,
+                     _names("grouped_reducescatter", name, len(tensors)), compression, _resolve_op(op, None),
+                     prescale_factor, postscale_factor)
 
 
 # --- broadcast ---------------------------------------------------------------
@@ -242,12 +323,13 @@ def broadcast_async(tensor, root_rank, name=None):
 
 
 def broadcast(tensor, root_rank, name=None):
-    """Differentiable when the input requires grad: the root's input gets the sum of
-    every rank's gradient, the others' get zeros."""
+    """Differentiable when the input requires grad: the root's input gets the
+    average (Horovod's) or the sum (exact gradients) of every rank's gradient, the
+    others' get zeros (see autograd.py)."""
     name = _name("broadcast", name)
     if _differentiable(tensor):
         from horovod_zero.torch.autograd import Broadcast
-        return Broadcast.apply(tensor, root_rank, name)
+        return Broadcast.apply(name, root_rank, tensor)
     return synchronize(_broadcast_async(tensor, root_rank, name))
 
 
