@@ -1,5 +1,9 @@
 """Consolidated checkpoints: full fp32 parameters and optimizer state gathered on
-rank 0, loadable into a job of any size."""
+rank 0, loadable into a job of any size.
+
+Rank 0 alone reads and writes the file, so it tells the other ranks whether that
+worked before anything else: a missing or corrupt file is an error on every rank
+at once, not a hang of the ranks that wait for its data."""
 
 import itertools
 import os
@@ -9,6 +13,7 @@ import torch
 from horovod_zero.torch import mpi_ops
 from horovod_zero.torch.basics import rank
 from horovod_zero.torch.functions import broadcast_object
+from horovod_zero.torch.zero import compat
 
 
 def _gather_full(t, s, name):
@@ -39,7 +44,9 @@ def consolidated_state_dict(model, opt):
         hyper = {k: v for k, v in group.items() if k != "params"}
         hyper["params"] = [s.name for s in opt._plan[g]]
         groups.append(hyper)
-    return {"model": {**others, **params}, "optimizer": {"state": state, "param_groups": groups}}
+    meta = {"optimizer": compat.describe(inner, opt._plan, opt._names is not None),
+            "loss_scaler": opt.loss_scaler.state_dict() if opt.loss_scaler is not None else None}
+    return {"model": {**others, **params}, "optimizer": {"state": state, "param_groups": groups}, "zero": meta}
 
 
 # Dtypes the collectives carry; tensors of others (bool buffers, ...) travel in the structure.
@@ -54,9 +61,8 @@ class _TensorSlot:
         self.shape, self.dtype = tuple(t.shape), t.dtype
 
 
-def _share(state, device):
-    """Rank 0's state on every rank: the structure (small) as one object, then each
-    tensor by a broadcast of its own, so no rank pickles or holds the whole state."""
+def _strip(state):
+    """(structure with a _TensorSlot for each tensor the collectives carry, those tensors)."""
     tensors = []
 
     def strip(x):
@@ -68,8 +74,43 @@ def _share(state, device):
         if isinstance(x, (list, tuple)):
             return type(x)(strip(v) for v in x)
         return x
+    return strip(state), tensors
 
-    skeleton = broadcast_object(strip(state) if rank() == 0 else None, root_rank=0, name="zero.ckpt.structure")
+
+def _not_consolidated(state, source):
+    """Why rank 0's `state` is no consolidated checkpoint, or None."""
+    if not isinstance(state, dict) or not {"model", "optimizer"} <= state.keys():
+        found = sorted(map(str, state.keys())) if isinstance(state, dict) else type(state).__name__
+        return (f"{source} is not a consolidated checkpoint (found {found}; expected a dict with the 'model' and "
+                "'optimizer' of hvd.zero.consolidated_state_dict or save_checkpoint)")
+    return None
+
+
+def _share_structure(state, source, failure=None):
+    """Rank 0's state without its tensors, on every rank, plus (rank 0 only) the
+    tensors. Rank 0 sends either the structure or why it has none (`failure` while
+    reading `source`, or a state that is no checkpoint); then every rank raises."""
+    tensors = []
+    if rank() == 0:
+        problem = (f"reading {source} failed with {type(failure).__name__}: {failure}" if failure is not None
+                   else _not_consolidated(state, source))
+        if problem is None:
+            skeleton, tensors = _strip(state)
+            payload = {"structure": skeleton}
+        else:
+            payload = {"error": problem}
+    else:
+        payload = None
+    payload = broadcast_object(payload, root_rank=0, name="zero.ckpt.structure")
+    if "error" in payload:
+        raise RuntimeError(f"Rank 0 could not load the checkpoint, so no rank loads it: {payload['error']}") \
+            from failure
+    return payload["structure"], tensors
+
+
+def _fill(skeleton, tensors, device):
+    """The structure with its tensors: rank 0's, each sent by a broadcast of its own,
+    so no rank pickles or holds the whole state."""
     counter = itertools.count()
 
     def fill(x):
@@ -86,19 +127,46 @@ def _share(state, device):
         if isinstance(x, (list, tuple)):
             return type(x)(fill(v) for v in x)
         return x
-
     return fill(skeleton)
+
+
+def _saved_description(skeleton):
+    """What the checkpoint says about its optimizer; for one written before it said
+    so, what its structure shows (names by group, shapes; no class)."""
+    meta = skeleton.get("zero") or {}
+    if meta.get("optimizer"):
+        return meta["optimizer"]
+    groups = [list(g["params"]) for g in skeleton["optimizer"]["param_groups"]]
+    shapes = {n: list(skeleton["model"][n].shape) for names in groups for n in names if n in skeleton["model"]}
+    named = not all(n.startswith("param.") for names in groups for n in names)
+    return {"class": None, "named": named, "groups": groups, "shapes": shapes}
+
+
+def _check_fits(skeleton, opt):
+    """Refuses, on every rank alike and before any tensor moves, a checkpoint that
+    does not fit this model and optimizer. Returns the saved group index for each
+    param group here."""
+    missing = [s.name for s in opt._shards if s.name not in skeleton["model"]]
+    if missing:
+        raise ValueError(f"The checkpoint has no values for parameters {missing[:5]}; was it saved from this model?")
+    saved = _saved_description(skeleton)
+    opt_state = skeleton["optimizer"]
+    compat.check_class(saved, opt_state["param_groups"], opt_state["state"], opt.optimizer)
+    return compat.match_groups(saved, opt._plan)
 
 
 def load_consolidated(state, model, opt):
     """Loads a consolidated state (from any world size) into this job. Rank 0 passes
     the object; the other ranks may pass None."""
-    state = _share(state, opt._device)
+    _load(state, model, opt, "the state passed on rank 0")
+
+
+def _load(state, model, opt, source, failure=None):
+    skeleton, tensors = _share_structure(state, source, failure)
+    order = _check_fits(skeleton, opt)
+    state = _fill(skeleton, tensors, opt._device)
     inner = opt.optimizer
     model_state, opt_state = state["model"], state["optimizer"]
-    missing = [s.name for s in opt._shards if s.name not in model_state]
-    if missing:
-        raise ValueError(f"The checkpoint has no values for parameters {missing[:5]}; was it saved from this model?")
     r = opt._rank
     with torch.no_grad():
         for s, mp in zip(opt._shards, opt._master_params):
@@ -116,9 +184,9 @@ def load_consolidated(state, model, opt):
                     entry[key] = value.clone() if torch.is_tensor(value) else value
             if entry:
                 inner.state[mp] = entry
-        for group, saved in zip(inner.param_groups, opt_state["param_groups"]):
-            for k, v in saved.items():
-                if k != "params":
+        for group, i in zip(inner.param_groups, order):
+            for k, v in opt_state["param_groups"][i].items():
+                if k not in ("params", "param_names"):
                     group[k] = v
         if model is not None:
             named = dict(model.named_parameters())
@@ -126,6 +194,9 @@ def load_consolidated(state, model, opt):
             for k, v in model.state_dict().items():
                 if k in others:
                     v.copy_(others[k])
+    scaler = (state.get("zero") or {}).get("loss_scaler")
+    if opt.loss_scaler is not None and scaler:
+        opt.loss_scaler.load_state_dict(scaler)
     opt._gather_params()
 
 
@@ -133,17 +204,34 @@ def save_checkpoint(path, model, opt):
     """Writes the consolidated state to `path` from rank 0, atomically: a temporary
     file in the same folder, flushed, then renamed over `path`."""
     state = consolidated_state_dict(model, opt)
+    failure = None
     if rank() == 0:
-        tmp = f"{path}.tmp.{os.getpid()}"
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    mpi_ops.barrier()
+        try:
+            _write(path, state)
+        except Exception as e:  # every rank must hear of it, not wait for rank 0
+            failure = e
+    # Also the barrier: no rank returns before the file is in place.
+    problem = broadcast_object(None if failure is None else f"{type(failure).__name__}: {failure}", root_rank=0,
+                               name="zero.ckpt.saved")
+    if problem is not None:
+        raise RuntimeError(f"Rank 0 could not write the checkpoint {path!r}: {problem}") from failure
+
+
+def _write(path, state):
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def load_checkpoint(path, model, opt):
     """Reads a checkpoint written by save_checkpoint (by a job of any size)."""
-    state = torch.load(path, map_location="cpu", weights_only=False) if rank() == 0 else None
-    load_consolidated(state, model, opt)
+    state, failure = None, None
+    if rank() == 0:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as e:  # sent to every rank, which then all raise
+            failure = e
+    _load(state, model, opt, repr(path), failure)

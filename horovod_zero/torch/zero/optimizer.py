@@ -17,6 +17,9 @@
 - With overlap_param_gather=True, step() returns once the allgather is queued;
   each module's forward pre-hook waits for its own parameters, so the gather of
   later layers runs under the compute of earlier ones.
+- Because the parameters are views of those buffers, changes to the model after
+  wrapping that replace them would silently stop training: step() checks for
+  them first, and the model's forward pre-hook checks one parameter (guard.py).
 """
 
 import contextlib
@@ -27,36 +30,51 @@ import torch
 
 from horovod_zero.torch import mpi_ops
 from horovod_zero.torch.basics import _core, rank, size
+from horovod_zero.torch.zero import compat, guard
+from horovod_zero.torch.zero.cast import cast_floating
+from horovod_zero.torch.zero.init_state import created_state, holds_constructor_state
 from horovod_zero.torch.zero.loss_scale import LossScaler
-from horovod_zero.torch.zero.plan import build_plan
+from horovod_zero.torch.zero.plan import plan_group
 
 _DOWNCAST_ENV = "HOROVOD_ZERO_DOWNCAST"
 _INIT_CHUNK_ENV = "HOROVOD_ZERO_INIT_CHUNK_BYTES"
 _BUCKET_ENV = "HOROVOD_ZERO_BUCKET_BYTES"
 
 
-def _param_names(optimizer, model, named_parameters):
-    if model is not None and named_parameters is not None:
-        raise ValueError("Pass model= or named_parameters=, not both.")
-    named = list(model.named_parameters() if model is not None else (named_parameters or []))
+def _name_map(named):
+    """parameter -> its first name (tied parameters have several)."""
     names = {}
     for n, p in named:
         names.setdefault(p, n)
-    opt_params = [p for g in optimizer.param_groups for p in g["params"]]
-    if not named:
-        return {p: f"param.{i}" for i, p in enumerate(opt_params)}, opt_params
-    for i, p in enumerate(opt_params):
+    return names
+
+
+def _check_in_model(params, names, first_index=0):
+    for i, p in enumerate(params, first_index):
         if p not in names:
             raise ValueError(
                 f"Parameter {i} of the optimizer (shape {tuple(p.shape)}) is not a parameter of the model. "
                 "Build the optimizer from model.parameters() of the model you pass.")
+
+
+def _check_names(optimizer, model, named_parameters):
+    """The names of the model's parameters (None without model= or named_parameters=),
+    once the optimizer's parameters are known to be the model's trained ones."""
+    if model is not None and named_parameters is not None:
+        raise ValueError("Pass model= or named_parameters=, not both.")
+    named = list(model.named_parameters() if model is not None else (named_parameters or []))
+    if not named:
+        return None
+    names = _name_map(named)
+    opt_params = [p for g in optimizer.param_groups for p in g["params"]]
+    _check_in_model(opt_params, names)
     owned = set(opt_params)
     missing = [n for n, p in named if p.requires_grad and p not in owned]
     if missing:
         raise ValueError(
             f"Model parameters {missing[:5]} require grad but are not in the optimizer. Add them to the "
             "optimizer, or set requires_grad=False to freeze them.")
-    return names, opt_params
+    return names
 
 
 def _remove_all(handles):
@@ -73,39 +91,35 @@ class DistributedZeroOptimizer:
     fp16 parameters need loss scaling: with param_dtype=torch.float16 (or
     loss_scaler=LossScaler(...)), call loss = opt.scale_loss(loss) before
     backward(); gradients are unscaled in fp32, and a step that overflows on any
-    rank is skipped on every rank.
+    rank is skipped on every rank. torch.amp.GradScaler is refused.
+
+    With param_dtype and model=, floating-point forward inputs of the model are cast
+    to param_dtype (cast_forward_inputs=False turns that off).
+
+    Optimizers that create state in their constructor (Adagrad) are accepted: that
+    state is made again for the shards.
     """
 
     def __init__(self, optimizer, model=None, named_parameters=None, stage=2, param_dtype=None,
-                 reduce_dtype=None, backward_passes_per_step=1, loss_scaler=None, overlap_param_gather=False):
+                 reduce_dtype=None, backward_passes_per_step=1, loss_scaler=None, overlap_param_gather=False,
+                 cast_forward_inputs=True):
         if stage not in (1, 2):
             raise ValueError(f"stage={stage!r}: DistributedZeroOptimizer supports ZeRO stages 1 and 2.")
         if backward_passes_per_step < 1:
             raise ValueError("backward_passes_per_step must be 1 or more.")
         if overlap_param_gather and model is None:
             raise ValueError("overlap_param_gather=True needs model=: the model's forward hooks wait for the gather.")
-        if optimizer.state:
-            raise ValueError("Wrap the optimizer before its first step: it already holds state.")
+        remake_state = holds_constructor_state(optimizer)
         self.optimizer = optimizer
         self.stage = stage
         self._size, self._rank = size(), rank()
-        names, params = _param_names(optimizer, model, named_parameters)
-        devices = {p.device for p in params}
-        if len(devices) > 1:
-            raise ValueError(f"Parameters are on several devices {sorted(map(str, devices))}; "
-                             "move the model to one device (hvd.device()) before wrapping.")
-        self._device = devices.pop() if devices else torch.device("cpu")
+        self._names = _check_names(optimizer, model, named_parameters)
+        self._model = weakref.ref(model) if model is not None else None
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        self._device = self._one_device(params, torch.device("cpu"))
         self._param_dtype = param_dtype
         self._reduce_dtype = reduce_dtype
         self._bpps = backward_passes_per_step
-        self._params = params
-        self._plan = build_plan(optimizer.param_groups, names, self._size)
-        self._shards = [s for g in self._plan for s in g]
-        self._master, self._stores = [], []
-        self._broadcast_initial_values()
-        self._build_buffers()
-        self._shard_of = {p: s for p, s in zip(self._params, self._shards)}
-        self._delay = [self._bpps] * len(self._shards)
         # shard index -> [handle], one per reduction this step. The padded gradient copy is
         # not kept here: the runtime holds it until its collective finishes, then frees it,
         # so stage 2 never holds more than the gradients still in flight.
@@ -123,28 +137,78 @@ class DistributedZeroOptimizer:
         self._gathering = {}  # shard index -> allgather handle still in flight (overlap_param_gather)
         self._after_gather = {}  # shard index -> (store, fp32 copy) to cast once gathered (HOROVOD_ZERO_DOWNCAST=0)
         self._overlap = bool(overlap_param_gather)
+        # Filled group by group by _shard_groups, indexed by shard index.
+        self._params, self._shards, self._plan, self._master, self._stores, self._master_params = [], [], [], [], [], []
+        self._shard_of, self._delay, self._slots = {}, [], []
+        optimizer.state.clear()  # constructor state for the full parameters: made again for the shards below
+        self._shard_groups(0)
+        self._remake_state = remake_state
+        if remake_state:
+            optimizer.state.update(created_state(optimizer, optimizer.param_groups))
         if self._overlap:
-            self._hook_forward(model)
-        if stage == 2:
-            for p in self._params:
-                if p.requires_grad:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._weak("_on_grad_ready")))
+            # A state_dict() taken after step() must see the gathered values.
+            self._hooks.append(model.register_state_dict_pre_hook(self._weak("_wait_all_hook")))
+        self._cast_to = param_dtype if cast_forward_inputs else None
+        if model is not None:
+            self._hooks.append(model.register_forward_pre_hook(self._weak("_before_forward"), with_kwargs=True))
 
     # --- construction ------------------------------------------------------
 
-    def _broadcast_initial_values(self):
+    def _one_device(self, params, default):
+        devices = {p.device for p in params}
+        if len(devices) > 1:
+            raise ValueError(f"Parameters are on several devices {sorted(map(str, devices))}; "
+                             "move the model to one device (hvd.device()) before wrapping.")
+        return devices.pop() if devices else default
+
+    def _shard_groups(self, first):
+        """Shards the param groups from `first` on, which still hold the model's own
+        parameters: each becomes a view of zero-padded storage, and the group gets views
+        of a flat fp32 master buffer instead."""
+        groups = self.optimizer.param_groups[first:]
+        params = [p for g in groups for p in g["params"]]
+        index = len(self._shards)
+        names = self._names or {p: f"param.{i}" for i, p in enumerate(params, index)}
+        plan = []
+        for g, group in enumerate(groups, first):
+            plan.append(plan_group(group["params"], names, self._size, g, index + sum(map(len, plan))))
+        shards = [s for g in plan for s in g]
+        self._broadcast_initial_values(shards, params)
+        chunk = self._init_chunk(shards, params)
+        self.init_path = "device" if chunk is None else f"chunked ({chunk} elements)"
+        for group, group_shards in zip(groups, plan):
+            self._build_group(group, group_shards, chunk)
+        self._plan += plan
+        self._shards += shards
+        self._params += params
+        self._shard_of.update(zip(params, shards))
+        self._delay += [self._bpps] * len(shards)
+        self._hook_params(params)
+
+    def _hook_params(self, params):
+        model = self._model() if self._model is not None else None
+        if model is not None:
+            self._slots += guard.module_slots(model, params)
+        if self._overlap and model is not None:
+            self._hook_forward(model, set(params))
+        if self.stage == 2:
+            for p in params:
+                if p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._weak("_on_grad_ready")))
+
+    def _broadcast_initial_values(self, shards, params):
         """Every rank starts from rank 0's values, as DDP does at construction. The fp32
         master shards are built from them, so a broadcast_parameters() after wrapping
         (which would reach the parameters but not the masters) changes nothing."""
         with torch.no_grad():
-            handles = [mpi_ops.broadcast_async_(p.data, 0, name=f"zero.init.{i}") for i, p in enumerate(self._params)
-                       if p.is_contiguous()]
+            handles = [mpi_ops.broadcast_async_(p.data, 0, name=f"zero.init.{s.index}")
+                       for s, p in zip(shards, params) if p.is_contiguous()]
             mpi_ops.synchronize(handles)
-            for i, p in enumerate(self._params):
+            for s, p in zip(shards, params):
                 if not p.is_contiguous():
-                    p.data = mpi_ops.broadcast(p.data.contiguous(), 0, name=f"zero.init.{i}")
+                    p.data = mpi_ops.broadcast(p.data.contiguous(), 0, name=f"zero.init.{s.index}")
 
-    def _init_chunk(self):
+    def _init_chunk(self, shards, params):
         """None: build on the device directly. Otherwise the number of elements per chunk
         for the fallback, which stages each parameter through host memory so that its
         device copy is freed before its new storage is allocated."""
@@ -154,9 +218,9 @@ class DistributedZeroOptimizer:
         if self._device.type != "cuda":
             return None
         free, _ = torch.cuda.mem_get_info(self._device)
-        biggest = max((p.numel() for p in self._params), default=0)
+        biggest = max((p.numel() for p in params), default=0)
         # Master and gradient shards in fp32, plus one parameter's new storage at a time.
-        need = 8 * sum(s.shard for s in self._shards) + 4 * biggest
+        need = 8 * sum(s.shard for s in shards) + 4 * biggest
         return None if need < 0.9 * free else (64 << 20) // 4
 
     def _rehome(self, s, p, master_slice, chunk):
@@ -181,28 +245,52 @@ class DistributedZeroOptimizer:
         p.data = store[:s.numel].view(s.shape)  # the allgather lands here
         return store
 
-    def _build_buffers(self):
-        chunk = self._init_chunk()
-        self.init_path = "device" if chunk is None else f"chunked ({chunk} elements)"
-        for g, group in enumerate(self.optimizer.param_groups):
-            total = sum(s.shard for s in self._plan[g])
-            master = torch.zeros(total, dtype=torch.float32, device=self._device)
-            views = []
-            for s, p in zip(self._plan[g], group["params"]):
-                self._stores.append(self._rehome(s, p, master[s.offset:s.offset + s.shard], chunk))
-                views.append(torch.nn.Parameter(master[s.offset:s.offset + s.shard], requires_grad=p.requires_grad))
-            group["params"] = views
-            self._master.append(master)
-        self._master_params = [mp for g in self.optimizer.param_groups for mp in g["params"]]
+    def _build_group(self, group, shards, chunk):
+        master = torch.zeros(sum(s.shard for s in shards), dtype=torch.float32, device=self._device)
+        views = []
+        for s, p in zip(shards, group["params"]):
+            self._stores.append(self._rehome(s, p, master[s.offset:s.offset + s.shard], chunk))
+            views.append(torch.nn.Parameter(master[s.offset:s.offset + s.shard], requires_grad=p.requires_grad))
+        group["params"] = views
+        self._master.append(master)
+        self._master_params += views
 
-    def _hook_forward(self, model):
-        """Each module waits, before its forward, for the gather of the parameters it owns."""
+    def _hook_forward(self, model, params):
+        """Each module waits, before its forward, for the gather of those of `params` it owns."""
         for m in model.modules():
-            own = tuple(self._shard_of[p].index for p in m.parameters(recurse=False) if p in self._shard_of)
+            own = tuple(self._shard_of[p].index for p in m.parameters(recurse=False) if p in params)
             if own:
                 self._hooks.append(m.register_forward_pre_hook(self._weak("_wait_hook", own)))
-        # A state_dict() taken after step() must see the gathered values.
-        self._hooks.append(model.register_state_dict_pre_hook(self._weak("_wait_all_hook")))
+
+    def add_param_group(self, param_group):
+        """Adds a param group, as torch.optim.Optimizer.add_param_group does, and shards
+        it (its parameters start from rank 0's values). Every rank must call it with the
+        same group, between steps: not after backward() and before step()."""
+        if self._coalescing or self._pending or self._bucket or self._reduced:
+            raise RuntimeError("add_param_group() while gradients wait for step(): call it after step() and "
+                               "zero_grad(), or before the first backward().")
+        group = dict(param_group)
+        params = [group["params"]] if torch.is_tensor(group["params"]) else list(group["params"])
+        self._check_new(params)
+        self.optimizer.add_param_group({**group, "params": params})  # validates and fills in the defaults
+        self._shard_groups(len(self.optimizer.param_groups) - 1)
+        if self._remake_state:
+            self.optimizer.state.update(created_state(self.optimizer, self.optimizer.param_groups[-1:]))
+
+    def _check_new(self, params):
+        model = self._model() if self._model is not None else None
+        if model is not None:
+            self._names = _name_map(model.named_parameters())  # the model may have gained modules
+        if self._names is not None:
+            _check_in_model(params, self._names, len(self._shards))
+        seen = set()
+        for p in params:
+            if p in self._shard_of or p in seen:
+                name = self._shard_of[p].name if p in self._shard_of else (self._names or {}).get(p, "")
+                raise ValueError(f"Parameter {name!r} (shape {tuple(p.shape)}) is already in a param group of "
+                                 "this optimizer; a parameter can be in one group only.")
+            seen.add(p)
+        self._one_device(params + self._params[:1], self._device)
 
     def _weak(self, method, *bound):
         """A hook that calls self.<method>(*bound, *args) without keeping self alive: the
@@ -214,6 +302,14 @@ class DistributedZeroOptimizer:
             opt = ref()
             return None if opt is None else getattr(opt, method)(*bound, *args)
         return hook
+
+    def _before_forward(self, module, args, kwargs):
+        # One parameter's storage, O(1) a forward: model.float()/.half()/.to() after wrapping
+        # replace every parameter's, and the forward would run on weights that never update.
+        guard.check_storage(self._shards[:1], self._params[:1], self._stores[:1])
+        if self._cast_to is None:
+            return None
+        return cast_floating(args, self._cast_to), cast_floating(kwargs, self._cast_to)
 
     def _wait_all_hook(self, *_):
         self.wait_for_params()
@@ -357,6 +453,7 @@ class DistributedZeroOptimizer:
         if self._coalescing:
             raise RuntimeError("step() inside coalesce_grad_reduction(): gradients of that block are reduced "
                                "when it exits. Call step() after the with-block.")
+        self._check_unchanged()
         self._finish_reduction()
         self._reduced = False
         self.wait_for_params()  # the inner step writes the master shards a gather may still read
@@ -368,6 +465,16 @@ class DistributedZeroOptimizer:
         loss = self.optimizer.step(closure)
         self._gather_params(wait=not self._overlap)
         return loss
+
+    def _check_unchanged(self):
+        guard.check_groups(self.optimizer.param_groups, self._master_params, len(self._plan))
+        guard.check_storage(self._shards, self._params, self._stores)
+        guard.check_slots(self._slots)
+
+    @property
+    def _step_supports_amp_scaling(self):
+        # torch.amp.GradScaler.step() reads this first: the earliest place to refuse it.
+        raise RuntimeError(guard.GRAD_SCALER)
 
     def scale_loss(self, loss):
         """loss * the current loss scale (unchanged without loss scaling)."""
@@ -437,7 +544,8 @@ class DistributedZeroOptimizer:
         """This rank's shard: its master weights and inner optimizer state."""
         self.wait_for_params()
         return {"zero": {"world_size": self._size, "rank": self._rank, "stage": self.stage,
-                         "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None},
+                         "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None,
+                         "optimizer": compat.describe(self.optimizer, self._plan, self._names is not None)},
                 "master": [m.detach().clone() for m in self._master],
                 "inner": self.optimizer.state_dict()}
 
@@ -448,10 +556,14 @@ class DistributedZeroOptimizer:
                 f"This state dict is rank {meta.get('rank')}'s shard of a job of size {meta.get('world_size')}; "
                 f"this is rank {self._rank} of {self._size}. To change the world size, save with "
                 "hvd.zero.save_checkpoint (or consolidated_state_dict) and load with hvd.zero.load_checkpoint.")
+        saved = meta.get("optimizer") or compat.positional(self._plan)
+        inner = state["inner"]
+        compat.check_class(saved, inner["param_groups"], inner["state"], self.optimizer)
+        order = compat.match_groups(saved, self._plan)  # saved group index per group here
         with torch.no_grad():
-            for m, saved in zip(self._master, state["master"]):
-                m.copy_(saved)
-        self.optimizer.load_state_dict(state["inner"])
+            for g, i in enumerate(order):
+                compat.relay_master(self._master[g], self._plan[g], saved["groups"][i], state["master"][i])
+        self.optimizer.load_state_dict(compat.reorder_inner(inner, order, saved, self._plan))
         if self.loss_scaler is not None and meta.get("loss_scaler"):
             self.loss_scaler.load_state_dict(meta["loss_scaler"])
         self._gather_params()

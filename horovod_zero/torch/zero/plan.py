@@ -29,16 +29,13 @@ class ParamShard:
         return start, min(start + self.shard, self.numel)
 
 
-def build_plan(param_groups, names, size) -> List[List[ParamShard]]:
-    """Per param group, its parameters' shards, in optimizer order."""
-    plan, index = [], 0
-    for g, group in enumerate(param_groups):
-        shards, offset = [], 0
-        for p in group["params"]:
-            n = p.numel()
-            shard = -(-n // size)
-            shards.append(ParamShard(index, names[p], g, p.shape, n, shard, offset, size))
-            offset += shard
-            index += 1
-        plan.append(shards)
-    return plan
+def plan_group(params, names, size, group, first_index) -> List[ParamShard]:
+    """The shards of one param group's parameters; their indices start at first_index."""
+    shards, offset = [], 0
+    for i, p in enumerate(params):
+        n = p.numel()
+        shard = -(-n // size)
+        shards.append(ParamShard(first_index + i, names[p], group, p.shape, n, shard, offset, size))
+        offset += shard
+    return shards
+
