@@ -100,14 +100,17 @@ def test_cuda_fusion_makes_one_collective_per_group(gpus):
         assert stats == {("allreduce", "cuda"): 1, ("allgather", "cuda"): 1}, stats
 
 
+def _made_slowly_on_this_stream():
+    """64 MiB of rank + 1, from long producer work on the current (the user's) stream."""
+    x = torch.ones(1 << 24, device=hvd.device())
+    for _ in range(20):
+        x = x * 1.0 + 0.0
+    return x.add_(hvd.rank())
+
+
 def _stream_order():
-    dev = hvd.device()
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        x = torch.ones(1 << 24, device=dev)
-        for _ in range(20):  # long producer work on the user's stream
-            x = x * 1.0 + 0.0
-        x.add_(hvd.rank())
+    with torch.cuda.stream(torch.cuda.Stream()):
+        x = _made_slowly_on_this_stream()
         out = hvd.allreduce(x, op=hvd.Sum, name="g.stream")
     return out[:4].cpu().tolist(), out[-1].item()
 
@@ -300,13 +303,9 @@ def test_ops_on_the_same_tensor_wait_for_earlier_copies_out(gpus_buffer):
 
 
 def _stream_order_fused():
-    n, r, dev = hvd.size(), hvd.rank(), hvd.device()
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        x = torch.ones(1 << 24, device=dev)
-        for _ in range(20):  # long producer work on the user's stream
-            x = x * 1.0 + 0.0
-        x.add_(r)
+    n = hvd.size()
+    with torch.cuda.stream(torch.cuda.Stream()):
+        x = _made_slowly_on_this_stream()
         parts = list(x.view(32, -1))  # 32 tensors, 64 MiB: the fusion buffer and its copy streams
         outs = hvd.grouped_allgather(parts, name="g.stream.fused")
     expect = torch.cat([torch.full((1 << 19,), 1.0 + k) for k in range(n)])

@@ -3,8 +3,6 @@ each rank's GPU, against the single-process reference on the CPU (fp32 to 1e-5,
 bf16 parameters with bf16 on the wire). Every test runs as a job of 1 rank on one
 GPU and of 2 ranks on two, except the checkpoint saved on 2, which needs two."""
 
-import contextlib
-
 import pytest
 import torch
 
@@ -22,20 +20,11 @@ def gpus(request):
 
 
 def _zero_on_gpu(stage, mode):
-    n, r, dev = hvd.size(), hvd.rank(), hvd.device()
     passes = {"plain": 1, "coalesce": 4, "overlap": 1}[mode]
-    model = mlp(device=dev)
+    model = mlp(device=hvd.device())
     opt = hvd.DistributedZeroOptimizer(adamw(model.named_parameters()), model=model, stage=stage,
                                        overlap_param_gather=mode == "overlap")
-    for step in range(STEPS):
-        ctx = opt.coalesce_grad_reduction() if mode == "coalesce" else contextlib.nullcontext()
-        with ctx:
-            for micro in range(passes):
-                x, y = batch(step, micro, dev)
-                mse(model, rank_rows(x, r, n), rank_rows(y, r, n)).backward()
-        opt.clip_grad_norm_(0.05)
-        opt.step()
-        opt.zero_grad()
+    cpu._train(model, opt, passes, mode, 0.05)
     opt.wait_for_params()  # the forward hooks waited in every step but the last
     on_cuda = all(p.is_cuda for p in model.parameters())
     ref, _ = train_reference(passes, 0.05)
