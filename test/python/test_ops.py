@@ -11,6 +11,7 @@ import torch
 
 import horovod_zero.torch as hvd
 from harness import launch
+from horovod_zero.torch import functions
 from refs import DTYPES, FLOATS, assert_close as _assert_close, dtype, make, reduce_ref, scatter_slice
 
 OPS = ["Sum", "Average", "Min", "Max"]
@@ -230,6 +231,18 @@ def _in_threads(target, count):
         sys.setswitchinterval(before)
 
 
+def _switch_between_lines(frame, event, arg):
+    """A trace function that pauses before every line of horovod_zero/torch/functions.py
+    (broadcast_object and its naming), letting the other thread run: threads in it then
+    interleave at every point, as free-threaded Python lets them, not only where
+    CPython 3.11 happens to switch (never between reading and writing the old count)."""
+    if frame.f_code.co_filename != functions.broadcast_object.__code__.co_filename:
+        return None
+    if event == "line":
+        time.sleep(0.0005)  # long enough for the other thread to run, however loaded the machine
+    return _switch_between_lines
+
+
 def _objects_from_two_threads(calls):
     """Two threads per rank broadcast objects from rank 0 at the same time, unnamed,
     then named by thread. Returns each thread's results, and the errors."""
@@ -240,8 +253,12 @@ def _objects_from_two_threads(calls):
     def thread(t):
         try:
             start.wait()
-            for i in range(calls):
-                got["unnamed"][t].append(hvd.broadcast_object((t, i), root_rank=0))
+            sys.settrace(_switch_between_lines)  # this thread only
+            try:
+                for i in range(calls):
+                    got["unnamed"][t].append(hvd.broadcast_object((t, i), root_rank=0))
+            finally:
+                sys.settrace(None)
             for i in range(calls):
                 got["named"][t].append(hvd.broadcast_object((t, i), root_rank=0, name=f"threads.{t}.{i}"))
         except BaseException as e:
@@ -254,10 +271,12 @@ def _objects_from_two_threads(calls):
 
 def test_broadcast_object_from_two_threads_at_once():
     """Unnamed calls from several threads take distinct, consecutive names on every
-    rank, so each object arrives exactly once and nothing stalls (a name taken twice,
-    or skipped, leaves the ranks waiting for names the others never send: the stall
-    limit turns that into an error here). Each thread's calls may pair with the other
-    thread's on another rank; named calls pair by name."""
+    rank, so each object arrives exactly once and nothing stalls (a name taken twice
+    is refused as already in flight, or leaves the ranks waiting for names the others
+    never send: the stall limit turns that into an error here). The threads switch
+    between every two lines of functions.py, which made the old unlocked count fail
+    this in 5 runs of 5 (and the new one without its lock in 3 of 3). Each thread's
+    calls may pair with the other thread's on another rank; named calls pair by name."""
     calls = 50
     env = {"HOROVOD_STALL_CHECK_TIME_SECONDS": "2", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "5"}
     res = launch(_objects_from_two_threads, 2, calls, env=env, timeout=120)
@@ -274,7 +293,7 @@ def test_broadcast_object_from_two_threads_at_once():
 
 def _object_names_per_job(threads, takes):
     from horovod_zero.torch.basics import _runtime
-    from horovod_zero.torch.functions import _object_names
+    _object_names = functions._object_names
     hvd.init()
     names = [[] for _ in range(threads)]
 
@@ -294,10 +313,9 @@ def _object_names_per_job(threads, takes):
 
 def test_unnamed_broadcast_object_names_are_unique_consecutive_and_per_init():
     """The names unnamed broadcast_object() calls take, drawn by many threads at once:
-    each number once, none skipped; a new init() starts again at 0. (The race this
-    guards against, two threads reading the count before either increments it, never
-    showed in CPython 3.11 with the old unlocked list; drawing without the lock here
-    does show it, which is what this test can catch.)"""
+    each number once, none skipped; a new init() starts again at 0. (Drawing them
+    without the lock fails this: the read and the write of the count are separate
+    Python calls, and the threads switch between them.)"""
     threads, takes = 8, 5000
     res = launch(_object_names_per_job, 1, threads, takes, timeout=120)
     status, value = res[0]
