@@ -1,6 +1,7 @@
-"""Deterministic per-rank inputs and tolerances shared by the op tests: every rank
-can rebuild every other rank's input, so references are computed with plain torch
-in the test itself."""
+"""What the tests compare against, in plain torch: deterministic per-rank inputs and
+tolerances for the op tests (every rank can rebuild every other rank's input, so
+references are computed in the test itself), and the ZeRO tests' model, batches and
+single-process training, shared by test_zero.py and test/gpu/test_gpu_zero.py."""
 
 import torch
 
