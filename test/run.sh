@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up (examples/setup.sh), then runs the C++ tests (CTest) and the Python tests
-# (pytest; the GPU tests skip themselves without CUDA GPUs). Fails if any test fails.
+# (pytest; GPU tests are deselected where the GPUs they need are missing: test/gpu/conftest.py).
+# Fails if any test fails.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PYTHON=$(bash "$ROOT/examples/setup.sh" | tail -n 1)

@@ -2,11 +2,13 @@
 
 import io
 import pickle
+import threading
+import weakref
 
 import torch
 
 from horovod_zero.torch.mpi_ops import broadcast_, broadcast_async_, synchronize
-from horovod_zero.torch.basics import rank
+from horovod_zero.torch.basics import _runtime, rank
 
 
 def broadcast_parameters(params, root_rank=0):
@@ -34,14 +36,35 @@ def broadcast_parameters(params, root_rank=0):
             t.copy_(target)
 
 
-_object_counter = [0]
+class _ObjectNames:
+    """Names for unnamed broadcast_object() calls: the n-th call of a job (one runtime,
+    one init()) is broadcast_object.n on every rank, so the names agree without any
+    message. The count lives as long as its runtime, so a re-init starts again at 0
+    on every rank alike. Threads take numbers under a lock: two of them must never
+    share a number or skip one, or the ranks' names drift apart and the job stalls."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._next = weakref.WeakKeyDictionary()  # runtime -> next number
+
+    def take(self, runtime):
+        with self._lock:
+            n = self._next.get(runtime, 0)
+            self._next[runtime] = n + 1
+        return f"broadcast_object.{n}"
+
+
+_object_names = _ObjectNames()
 
 
 def broadcast_object(obj, root_rank=0, name=None):
-    """Returns root_rank's `obj` on every rank (pickled, sent as bytes)."""
+    """Returns root_rank's `obj` on every rank (pickled, sent as bytes).
+
+    Unnamed calls are paired across ranks by the order in which each rank makes them.
+    Threads that call it at the same time may take their turns in another order on
+    each rank, so pass name= to pair each thread's calls with its peers'."""
     if name is None:
-        name = f"broadcast_object.{_object_counter[0]}"
-        _object_counter[0] += 1
+        name = _object_names.take(_runtime())
     if rank() == root_rank:
         buf = io.BytesIO()
         pickle.dump(obj, buf)

@@ -1,13 +1,16 @@
-"""A build without CUDA, on a machine with GPUs: a CUDA tensor is refused at the
+"""A build without CUDA, on a machine with a GPU: a CUDA tensor is refused at the
 call, with what to do, and CPU tensors keep working. run_on_gpu_machine.sh builds
-with -DHVDZ_CUDA=OFF and runs this file (CPU_ONLY_BUILD=1); with a CUDA build it
-is skipped."""
+with -DHVDZ_CUDA=OFF and runs this file (CPU_ONLY_BUILD=1); test/gpu/conftest.py
+deselects it where the build has CUDA, and without a GPU. Both ranks run on the
+CPU (Gloo) and make their CUDA tensor on GPU 0, so one GPU is enough."""
 
 import pytest
 import torch
 
 import horovod_zero.torch as hvd
 from harness import launch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.cpu_only_build]
 
 
 def _refuses_cuda():
@@ -24,14 +27,12 @@ def _refuses_cuda():
     return refused, ok.tolist()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU, to have a CUDA tensor to refuse")
 def test_cpu_only_build_refuses_cuda_tensors_with_what_to_do():
     out = launch(_refuses_cuda, 2)
     assert sorted(out) == [0, 1], out
     for status, value in out.values():
         assert status == "ok", value
-        if value == "cuda build":
-            pytest.skip("horovod_zero was built with CUDA here; this checks a -DHVDZ_CUDA=OFF build")
+        assert value != "cuda build", "selected for a build without CUDA, but this one runs CUDA tensors"
         refused, ok = value
         assert refused is not None, "a CUDA tensor was accepted by a build without CUDA"
         assert "'cpu_only.cuda'" in refused and "without CUDA" in refused and "move the tensor to the CPU" in refused

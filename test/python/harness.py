@@ -6,6 +6,7 @@ so that they can be sent by name). launch() starts fresh processes for tests tha
 break the job (dead peers, stalls) or change its environment.
 """
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -30,6 +31,23 @@ def rank_env(rank, size, port, extra=None):
     }
     env.update(extra or {})
     return env
+
+
+@contextlib.contextmanager
+def scoped_env(**values):
+    """Sets environment variables inside a rank process for the duration of a block
+    (for settings read when an object is built, such as HOROVOD_ZERO_*), then puts
+    back what was there before, so that the pool's later tests never see them."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update({k: str(v) for k, v in values.items()})
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _apply_env(env):
@@ -159,3 +177,10 @@ def close_shared_pools():
     for p in _shared.values():
         p.close()
     _shared.clear()
+
+
+def on_gpus(*sizes):
+    """Rank counts for GPU tests as pytest parameters, a rank on each GPU: each is
+    marked gpus(n), so that test/gpu/conftest.py runs it only where n GPUs are present."""
+    import pytest  # here: rank processes import this module too, and never need pytest
+    return [pytest.param(n, id=f"{n}gpu" if n == 1 else f"{n}gpus", marks=pytest.mark.gpus(n)) for n in sizes]

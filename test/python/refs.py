@@ -1,6 +1,7 @@
-"""Deterministic per-rank inputs and tolerances shared by the op tests: every rank
-can rebuild every other rank's input, so references are computed with plain torch
-in the test itself."""
+"""What the tests compare against, in plain torch: deterministic per-rank inputs and
+tolerances for the op tests (every rank can rebuild every other rank's input, so
+references are computed in the test itself), and the ZeRO tests' model, batches and
+single-process training, shared by test_zero.py and test/gpu/test_gpu_zero.py."""
 
 import torch
 
@@ -52,3 +53,94 @@ def scatter_rows(dim0, size, rank):
 def scatter_slice(t, size, rank):
     start = sum(scatter_rows(t.shape[0], size, k) for k in range(rank))
     return t[start:start + scatter_rows(t.shape[0], size, rank)]
+
+
+def assert_close(out, ref, dtype_name):
+    """out (on any device) has dtype dtype_name and equals the reference within its tolerance."""
+    assert out.dtype == dtype(dtype_name), (out.dtype, dtype_name)
+    out = out.cpu()
+    torch.testing.assert_close(out.double() if out.dtype.is_floating_point else out.long(),
+                               ref.double() if ref.dtype.is_floating_point else ref.long(), **tol(dtype_name))
+
+
+# ZeRO: a model, its batches and the single-process training that every ZeRO test
+# (CPU in test_zero.py, CUDA in test/gpu/test_gpu_zero.py) compares against.
+
+GLOBAL_BATCH = 12  # divisible by 2 and 3
+STEPS = 4
+
+
+def mlp(seed=0, device="cpu"):
+    torch.manual_seed(seed)
+    # Odd sizes: shards are padded on every world size used here.
+    return torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.GELU(), torch.nn.Linear(33, 7)).to(device)
+
+
+def adamw(named_params):
+    """AdamW in two groups: weights decay, biases do not and step at twice the rate."""
+    named = list(named_params)
+    return torch.optim.AdamW([
+        {"params": [p for n, p in named if n.endswith("weight")], "weight_decay": 0.1, "lr": 1e-2},
+        {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0, "lr": 2e-2}])
+
+
+def batch(step, micro, device="cpu"):
+    """The global batch of a step's micro-th backward pass."""
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    return torch.randn(GLOBAL_BATCH, 16, generator=g).to(device), torch.randn(GLOBAL_BATCH, 7, generator=g).to(device)
+
+
+def rank_rows(t, rank, size):
+    """This rank's equal block of rows of a global batch."""
+    local = t.shape[0] // size
+    return t[rank * local:(rank + 1) * local]
+
+
+def mse(model, x, y):
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def train_reference(passes, clip, steps=STEPS, start=0, model=None, opt=None):
+    """Plain torch, one process, on the CPU, the whole batch: gradients summed over the passes."""
+    model = model or mlp()
+    opt = opt or adamw(model.named_parameters())
+    for step in range(start, start + steps):
+        opt.zero_grad()
+        for micro in range(passes):
+            mse(model, *batch(step, micro)).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return model, opt
+
+
+def rel_err(a, b):
+    """|a - b| / |b| in float64 on the CPU, wherever a and b live."""
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+class Tied(torch.nn.Module):
+    """Tied embedding/output weight, a frozen layer, and a layer never used."""
+
+    def __init__(self, device="cpu"):
+        super().__init__()
+        torch.manual_seed(3)
+        self.emb = torch.nn.Embedding(11, 6)
+        self.head = torch.nn.Linear(6, 11, bias=False)
+        self.head.weight = self.emb.weight
+        self.mid = torch.nn.Linear(6, 6)
+        self.frozen = torch.nn.Linear(6, 6)
+        self.frozen.requires_grad_(False)
+        self.unused = torch.nn.Linear(6, 6)
+        self.to(device)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        return self.head(self.mid(h) + self.frozen(h))
+
+
+def tied_batch(step, device="cpu"):
+    g = torch.Generator().manual_seed(step)
+    return (torch.randint(0, 11, (GLOBAL_BATCH, 5), generator=g).to(device),
+            torch.randint(0, 11, (GLOBAL_BATCH * 5,), generator=g).to(device))

@@ -25,6 +25,12 @@ def test_upcast_is_exact(frm):
     assert torch.equal(_core.cpu_cast(x, torch.float32), x.float())
 
 
-def test_scale_is_fused_into_the_cast():
+def test_scaled_cast_equals_torch_scaling_then_casting():
+    # Whether the kernel fuses the multiply into the cast is not visible in its output;
+    # what is: it scales in fp32 and rounds once, as x * scale then .to() does.
     x = torch.randn(1000)
     torch.testing.assert_close(_core.cpu_cast(x, torch.bfloat16, 0.25), (x * 0.25).to(torch.bfloat16), rtol=0, atol=0)
+    y = torch.randn(100_000, generator=torch.Generator().manual_seed(1)) * 100
+    for to in (torch.bfloat16, torch.float16):
+        for scale in (0.1, 1 / 3, 7.7):  # not powers of two: the product itself rounds
+            assert torch.equal(_core.cpu_cast(y, to, scale).view(torch.int16), (y * scale).to(to).view(torch.int16))

@@ -1,6 +1,7 @@
 """Every op and dtype over 2 and 3 CPU ranks (Gloo), fusion on and off, against
 references computed with plain torch."""
 
+import sys
 import threading
 import time
 import weakref
@@ -9,15 +10,15 @@ import pytest
 import torch
 
 import horovod_zero.torch as hvd
-from refs import DTYPES, FLOATS, dtype, make, reduce_ref, scatter_slice, tol
+from harness import launch
+from horovod_zero.torch import functions
+from refs import DTYPES, FLOATS, assert_close as _assert_close, dtype, make, reduce_ref, scatter_slice
 
 OPS = ["Sum", "Average", "Min", "Max"]
-
-
-def _assert_close(out, ref, dtype_name):
-    assert out.dtype == dtype(dtype_name), (out.dtype, dtype_name)
-    torch.testing.assert_close(out.double() if out.dtype.is_floating_point else out.long(),
-                               ref.double() if ref.dtype.is_floating_point else ref.long(), **tol(dtype_name))
+# Every (dtype, op) a reduction accepts: Average is refused for integer tensors
+# (test_errors checks the refusal), so those pairs are not generated at all.
+REDUCTIONS = [pytest.param(d, o, id=f"{o}-{d}") for o in OPS for d in DTYPES
+              if o != "Average" or dtype(d).is_floating_point]
 
 
 def _allreduce(dtype_name, op_name, seed):
@@ -33,11 +34,8 @@ def _allreduce(dtype_name, op_name, seed):
     _assert_close(mine, reduce_ref(inputs, op_name).to(out.dtype), dtype_name)
 
 
-@pytest.mark.parametrize("dtype_name", DTYPES)
-@pytest.mark.parametrize("op_name", OPS)
+@pytest.mark.parametrize("dtype_name,op_name", REDUCTIONS)
 def test_allreduce(ranks_fusion, dtype_name, op_name):
-    if op_name == "Average" and not dtype(dtype_name).is_floating_point:
-        pytest.skip("Average is refused for integer tensors (test_errors covers it)")
     ranks_fusion.run(_allreduce, dtype_name, op_name, 1)
 
 
@@ -60,12 +58,16 @@ def _allgather(dtype_name, out_dtype_name, uneven):
     rows = [k + 1 if uneven else 2 for k in range(n)]
     inputs = [make(k, (rows[k], 3), dtype_name, 3) for k in range(n)]
     odt = dtype(out_dtype_name) if out_dtype_name else None
+    hvd.collective_stats(reset=True)
     out = hvd.allgather(inputs[r], output_dtype=odt, name=f"ag.{dtype_name}.{out_dtype_name}.{uneven}")
     ref = torch.cat(inputs)
     if odt is not None:
         ref = ref.to(odt)  # our copy-in cast must round exactly like torch
     assert out.shape == (sum(rows), 3)
     assert torch.equal(out, ref), (out, ref)
+    # What crossed the wire was already of the output dtype: the cast is on the way in.
+    wire = [(s["op"], s["dtype"]) for s in hvd.collective_stats()]
+    assert wire == [("allgather", out_dtype_name or dtype_name)], wire
 
 
 @pytest.mark.parametrize("dtype_name", DTYPES)
@@ -100,11 +102,8 @@ def _reducescatter(dtype_name, op_name, dim0):
     _assert_close(out, scatter_slice(reduce_ref(inputs, op_name), n, r).to(out.dtype), dtype_name)
 
 
-@pytest.mark.parametrize("dtype_name", DTYPES)
-@pytest.mark.parametrize("op_name", OPS)
+@pytest.mark.parametrize("dtype_name,op_name", REDUCTIONS)
 def test_reducescatter_uneven(ranks_fusion, dtype_name, op_name):
-    if op_name == "Average" and not dtype(dtype_name).is_floating_point:
-        pytest.skip("Average is refused for integer tensors")
     ranks_fusion.run(_reducescatter, dtype_name, op_name, 7)
 
 
@@ -215,6 +214,118 @@ def _params_and_objects():
 
 def test_broadcast_parameters_and_object(ranks):
     ranks.run(_params_and_objects)
+
+
+def _in_threads(target, count):
+    """Runs target(t) for t in range(count) on as many threads at once, switching
+    between them as often as the interpreter can."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=target, args=(t,)) for t in range(count)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    finally:
+        sys.setswitchinterval(before)
+
+
+def _switch_between_lines(frame, event, arg):
+    """A trace function that pauses before every line of horovod_zero/torch/functions.py
+    (broadcast_object and its naming), letting the other thread run: threads in it then
+    interleave at every point, as free-threaded Python lets them, not only where
+    CPython 3.11 happens to switch (never between reading and writing the old count)."""
+    if frame.f_code.co_filename != functions.broadcast_object.__code__.co_filename:
+        return None
+    if event == "line":
+        time.sleep(0.0005)  # long enough for the other thread to run, however loaded the machine
+    return _switch_between_lines
+
+
+def _objects_from_two_threads(calls):
+    """Two threads per rank broadcast objects from rank 0 at the same time, unnamed,
+    then named by thread. Returns each thread's results, and the errors."""
+    hvd.init()
+    got, errors = {"unnamed": [[], []], "named": [[], []]}, []
+    start = threading.Barrier(2)
+
+    def thread(t):
+        try:
+            start.wait()
+            sys.settrace(_switch_between_lines)  # this thread only
+            try:
+                for i in range(calls):
+                    got["unnamed"][t].append(hvd.broadcast_object((t, i), root_rank=0))
+            finally:
+                sys.settrace(None)
+            for i in range(calls):
+                got["named"][t].append(hvd.broadcast_object((t, i), root_rank=0, name=f"threads.{t}.{i}"))
+        except BaseException as e:
+            errors.append(f"thread {t}: {e!r}")
+
+    _in_threads(thread, 2)
+    hvd.shutdown()
+    return got, errors
+
+
+def test_broadcast_object_from_two_threads_at_once():
+    """Unnamed calls from several threads take distinct, consecutive names on every
+    rank, so each object arrives exactly once and nothing stalls (a name taken twice
+    is refused as already in flight, or leaves the ranks waiting for names the others
+    never send: the stall limit turns that into an error here). The threads switch
+    between every two lines of functions.py, which made the old unlocked count fail
+    this in 5 runs of 5 (and the new one without its lock in 3 of 3). Each thread's
+    calls may pair with the other thread's on another rank; named calls pair by name."""
+    calls = 50
+    env = {"HOROVOD_STALL_CHECK_TIME_SECONDS": "2", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "5"}
+    res = launch(_objects_from_two_threads, 2, calls, env=env, timeout=120)
+    assert sorted(res) == [0, 1], res
+    sent = [[(t, i) for i in range(calls)] for t in range(2)]
+    for rank, (status, value) in res.items():
+        assert status == "ok", value
+        got, errors = value
+        assert errors == [], (rank, errors)
+        assert sorted(got["unnamed"][0] + got["unnamed"][1]) == sorted(sent[0] + sent[1]), rank
+        assert got["named"] == sent, rank
+    assert res[0][1][0]["unnamed"] == sent  # the root gets back what it sent
+
+
+def _object_names_per_job(threads, takes):
+    from horovod_zero.torch.basics import _runtime
+    _object_names = functions._object_names
+    hvd.init()
+    names = [[] for _ in range(threads)]
+
+    def take(t):
+        for _ in range(takes):
+            names[t].append(_object_names.take(_runtime()))
+
+    _in_threads(take, threads)
+    unnamed = hvd.broadcast_object("next", root_rank=0)  # takes the next number
+    next_name = _object_names.take(_runtime())
+    hvd.shutdown()
+    hvd.init()
+    after_reinit = _object_names.take(_runtime())
+    hvd.shutdown()
+    return [n for per_thread in names for n in per_thread], unnamed, next_name, after_reinit
+
+
+def test_unnamed_broadcast_object_names_are_unique_consecutive_and_per_init():
+    """The names unnamed broadcast_object() calls take, drawn by many threads at once:
+    each number once, none skipped; a new init() starts again at 0. (Drawing them
+    without the lock fails this: the read and the write of the count are separate
+    Python calls, and the threads switch between them.)"""
+    threads, takes = 8, 5000
+    res = launch(_object_names_per_job, 1, threads, takes, timeout=120)
+    status, value = res[0]
+    assert status == "ok", value
+    names, unnamed, next_name, after_reinit = value
+    total = threads * takes
+    assert sorted(names, key=lambda n: int(n.rsplit(".", 1)[1])) == [f"broadcast_object.{k}" for k in range(total)]
+    assert unnamed == "next"
+    assert next_name == f"broadcast_object.{total + 1}"
+    assert after_reinit == "broadcast_object.0"
 
 
 def _world_info():

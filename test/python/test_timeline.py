@@ -19,7 +19,7 @@ def test_timeline_is_valid_json_with_phase_spans(tmp_path):
     path = tmp_path / "timeline.json"
     res = launch(_with_timeline, 2, env={"HOROVOD_TIMELINE": str(path)}, timeout=60)
     assert all(s == "ok" for s, _ in res.values()), res
-    events = json.loads(path.read_text())  # both ranks wrote? rank 0's file is enough
+    events = json.loads(path.read_text())  # rank 0 writes it, as in Horovod: the coordinator's view
     tracks = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M"}
     spans = {(tracks[e["tid"]], e["name"]) for e in events if e.get("ph") == "X"}
     # A fused group has all four phases; a lone even allgather is gathered in place

@@ -8,83 +8,50 @@ import pytest
 import torch
 
 import horovod_zero.torch as hvd
-from harness import launch
+from harness import launch, scoped_env
+from refs import GLOBAL_BATCH, STEPS, Tied, adamw, batch, mlp, mse, rank_rows, rel_err, tied_batch, train_reference
 
-GLOBAL_BATCH = 12  # divisible by 2 and 3
-STEPS = 4
-# Where models and batches are made: the GPU tests run these same functions with it set
-# to the rank's GPU (test/gpu/test_gpu_zero.py).
-DEVICE = torch.device("cpu")
+# The workers below take `device`: "cpu" here; the GPU tests (test/gpu/test_gpu_zero.py)
+# run the same workers with "cuda", this rank's GPU. References are always on the CPU.
 
 
-def _model(seed=0):
-    torch.manual_seed(seed)
-    # Odd sizes: shards are padded on every world size used here.
-    return torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.GELU(), torch.nn.Linear(33, 7)).to(DEVICE)
+def _on(device):
+    return hvd.device() if device == "cuda" else torch.device(device)
 
 
-def _adamw(model):
-    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
-    no_decay = [p for n, p in model.named_parameters() if n.endswith("bias")]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1, "lr": 1e-2},
-                              {"params": no_decay, "weight_decay": 0.0, "lr": 2e-2}])
+def _wrap(model, **kwargs):
+    return hvd.DistributedZeroOptimizer(adamw(model.named_parameters()), model=model, **kwargs)
 
 
-def _batch(step, micro):
-    g = torch.Generator().manual_seed(1000 * step + micro)
-    return torch.randn(GLOBAL_BATCH, 16, generator=g).to(DEVICE), torch.randn(GLOBAL_BATCH, 7, generator=g).to(DEVICE)
-
-
-def _loss(model, x, y):
-    return torch.nn.functional.mse_loss(model(x), y)
-
-
-def _reference(passes, clip, steps=STEPS, start=0, model=None, opt=None):
-    """Plain torch, one process, the whole batch: gradients summed over the passes."""
-    model = model or _model()
-    opt = opt or _adamw(model)
-    for step in range(start, start + steps):
-        opt.zero_grad()
-        for micro in range(passes):
-            _loss(model, *_batch(step, micro)).backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-    return model, opt
-
-
-def _train(model, opt, passes, mode, clip, steps=STEPS, start=0):
+def _train(model, opt, passes, mode, clip, steps=STEPS, start=0, before_step=None):
+    """This rank's share of train_reference(): its rows of each batch, on the model's device."""
     n, r = hvd.size(), hvd.rank()
-    local = GLOBAL_BATCH // n
+    dev = next(model.parameters()).device
     counts = []
     for step in range(start, start + steps):
         hvd.collective_stats(reset=True)
         ctx = opt.coalesce_grad_reduction() if mode == "coalesce" else contextlib.nullcontext()
         with ctx:
             for micro in range(passes):
-                x, y = _batch(step, micro)
-                _loss(model, x[r * local:(r + 1) * local], y[r * local:(r + 1) * local]).backward()
+                x, y = batch(step, micro, dev)
+                mse(model, rank_rows(x, r, n), rank_rows(y, r, n)).backward()
         if clip:
             opt.clip_grad_norm_(clip)
+        if before_step:
+            before_step()
         opt.step()
         opt.zero_grad()
         counts.append(sum(s["tensors"] for s in hvd.collective_stats() if s["op"] == "reducescatter"))
     return counts
 
 
-def _rel(a, b):
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    return float((a - b).norm() / b.norm().clamp_min(1e-12))
-
-
-def _check_against_reference(stage, mode, clip):
+def _check_against_reference(stage, mode, clip, device="cpu"):
     passes = {"plain": 1, "bpps": 2, "coalesce": 4, "perpass": 3}[mode]
-    model = _model()
-    opt = hvd.DistributedZeroOptimizer(_adamw(model), model=model, stage=stage,
-                                       backward_passes_per_step=passes if mode == "bpps" else 1)
+    model = mlp(device=_on(device))
+    opt = _wrap(model, stage=stage, backward_passes_per_step=passes if mode == "bpps" else 1)
     counts = _train(model, opt, passes, mode, clip)
-    ref, _ = _reference(passes, clip)
-    errs = {n: _rel(p, q) for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())}
+    ref, _ = train_reference(passes, clip)
+    errs = {n: rel_err(p, q) for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())}
     state_numel = sum(v.numel() for st in opt.state.values() for k, v in st.items() if k == "exp_avg")
     return errs, counts, state_numel
 
@@ -95,8 +62,8 @@ def _check_against_reference(stage, mode, clip):
                          ids=["plain", "backward_passes_per_step2", "coalesce4", "3passes_uncoalesced", "clip"])
 def test_matches_single_process_reference(ranks_fusion, stage, mode, clip):
     nparams = 4
-    total = sum(p.numel() for p in _model().parameters())
-    shard_total = sum(-(-p.numel() // ranks_fusion.size) for p in _model().parameters())
+    total = sum(p.numel() for p in mlp().parameters())
+    shard_total = sum(-(-p.numel() // ranks_fusion.size) for p in mlp().parameters())
     for errs, counts, state_numel in ranks_fusion.run(_check_against_reference, stage, mode, clip):
         for name, e in errs.items():
             assert e < 1e-5, (name, e)
@@ -109,19 +76,21 @@ def test_matches_single_process_reference(ranks_fusion, stage, mode, clip):
 
 
 def _bucketed(bucket_bytes, passes):
-    os.environ["HOROVOD_ZERO_BUCKET_BYTES"] = str(bucket_bytes)
-    try:
-        model = _model()
-        opt = hvd.DistributedZeroOptimizer(_adamw(model), model=model, stage=2)
-    finally:
-        os.environ.pop("HOROVOD_ZERO_BUCKET_BYTES")
-    collectives = []
+    with scoped_env(HOROVOD_ZERO_BUCKET_BYTES=bucket_bytes):
+        model = mlp()
+        opt = _wrap(model, stage=2)
+    collectives, before_step = [], []
+
+    def submitted_and_held():  # after the step's last backward pass, before step()
+        before_step.append((sum(len(h) for h in opt._pending.values()), len(opt._bucket)))
+
     for step in range(STEPS):
         hvd.collective_stats(reset=True)
-        _train(model, opt, passes, "perpass" if passes > 1 else "plain", None, steps=1, start=step)
+        _train(model, opt, passes, "perpass" if passes > 1 else "plain", None, steps=1, start=step,
+               before_step=submitted_and_held)
         collectives.append(sum(s["collectives"] for s in hvd.collective_stats() if s["op"] == "reducescatter"))
-    ref, _ = _reference(passes, None)
-    return collectives, [_rel(p, q) for p, q in zip(model.parameters(), ref.parameters())]
+    ref, _ = train_reference(passes, None)
+    return collectives, before_step, [rel_err(p, q) for p, q in zip(model.parameters(), ref.parameters())]
 
 
 @pytest.mark.parametrize("bucket_bytes", [0, 1 << 30])
@@ -130,22 +99,26 @@ def test_stage2_gradient_buckets(ranks, bucket_bytes, passes):
     """A bucket larger than the model holds every gradient of the step (of every
     backward pass) until step(), then sends them as one fused collective; 0 sends
     each as it is ready. Both match the reference."""
-    for collectives, errs in ranks.run(_bucketed, bucket_bytes, passes):
+    nparams = 4
+    for collectives, before_step, errs in ranks.run(_bucketed, bucket_bytes, passes):
         assert all(e < 1e-5 for e in errs), errs
         if bucket_bytes:
             assert collectives == [1] * STEPS, collectives
+            assert before_step == [(0, nparams * passes)] * STEPS, "the bucket must hold them until step()"
+        else:
+            assert before_step == [(nparams * passes, 0)] * STEPS, "each gradient must go when it is ready"
 
 
 def _dropped_optimizer_is_freed(overlap):
     import gc
     import weakref
-    model = _model()
-    opt = hvd.DistributedZeroOptimizer(_adamw(model), model=model, stage=2, overlap_param_gather=overlap)
+    model = mlp()
+    opt = _wrap(model, stage=2, overlap_param_gather=overlap)
     _train(model, opt, 1, "plain", None, steps=1)
     ref = weakref.ref(opt)
     del opt
     gc.collect()
-    _loss(model, *_batch(0, 0)).backward()  # the model keeps working without it
+    mse(model, *batch(0, 0)).backward()  # the model keeps working without it
     return ref() is None, all(p.grad is not None for p in model.parameters())
 
 
@@ -158,13 +131,13 @@ def test_a_dropped_optimizer_is_freed_with_its_state(ranks, overlap):
 def _overlapped_gather(stage):
     """overlap_param_gather=True: step() leaves the gather in flight; the next
     forward's hooks and state_dict() wait for it, so training still matches."""
-    model = _model()
-    opt = hvd.DistributedZeroOptimizer(_adamw(model), model=model, stage=stage, overlap_param_gather=True)
+    model = mlp()
+    opt = _wrap(model, stage=stage, overlap_param_gather=True)
     _train(model, opt, 1, "plain", None)
     in_flight = len(opt._gathering)
     state = model.state_dict()  # its pre-hook waits
-    ref, _ = _reference(1, None)
-    return in_flight, len(opt._gathering), [_rel(state[n], q) for n, q in ref.state_dict().items()]
+    ref, _ = train_reference(1, None)
+    return in_flight, len(opt._gathering), [rel_err(state[n], q) for n, q in ref.state_dict().items()]
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -176,43 +149,34 @@ def test_overlapped_param_gather_matches_the_reference(ranks_fusion, stage):
 
 def _bf16_params():
     n, r = hvd.size(), hvd.rank()
-    model = _model()
-    opt = hvd.DistributedZeroOptimizer(_adamw(model), model=model, stage=2, param_dtype=torch.bfloat16)
+    model = mlp()
+    opt = _wrap(model, stage=2, param_dtype=torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     wire = []
-    local = GLOBAL_BATCH // n
     for step in range(STEPS):
-        x, y = _batch(step, 0)
-        _loss(model, x[r * local:(r + 1) * local].bfloat16(), y[r * local:(r + 1) * local].bfloat16()).backward()
+        x, y = batch(step, 0)
+        mse(model, rank_rows(x, r, n).bfloat16(), rank_rows(y, r, n).bfloat16()).backward()
         hvd.collective_stats(reset=True)
         opt.step()
         opt.zero_grad()
         wire += [(s["op"], s["dtype"]) for s in hvd.collective_stats() if s["op"] == "allgather"]
     # Reference: fp32 master weights stepped with gradients of a bf16 model on the whole batch.
-    ref = _model()
+    ref = mlp()
     master = [p.detach().clone().requires_grad_(True) for p in ref.parameters()]
-    ref_opt = _adamw_on(master, ref)
-    work = _model().bfloat16()
+    ref_opt = adamw(zip([n for n, _ in ref.named_parameters()], master))
+    work = mlp().bfloat16()
     for step in range(STEPS):
         with torch.no_grad():
             for w, m in zip(work.parameters(), master):
                 w.copy_(m)
         work.zero_grad()
-        x, y = _batch(step, 0)
-        _loss(work, x.bfloat16(), y.bfloat16()).backward()
+        x, y = batch(step, 0)
+        mse(work, x.bfloat16(), y.bfloat16()).backward()
         for w, m in zip(work.parameters(), master):
             m.grad = w.grad.float()
         ref_opt.step()
-    errs = [_rel(p, m.bfloat16()) for p, m in zip(model.parameters(), master)]
+    errs = [rel_err(p, m.bfloat16()) for p, m in zip(model.parameters(), master)]
     return errs, sorted(set(wire))
-
-
-def _adamw_on(master, ref):
-    names = [n for n, _ in ref.named_parameters()]
-    decay = [m for n, m in zip(names, master) if n.endswith("weight")]
-    no_decay = [m for n, m in zip(names, master) if n.endswith("bias")]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1, "lr": 1e-2},
-                              {"params": no_decay, "weight_decay": 0.0, "lr": 2e-2}])
 
 
 def test_bf16_params_with_fp32_master_and_bf16_on_the_wire(ranks):
@@ -221,19 +185,19 @@ def test_bf16_params_with_fp32_master_and_bf16_on_the_wire(ranks):
         assert wire == [("allgather", "bfloat16")], wire
 
 
-def _save(path, steps):
+def _save(path, steps, device="cpu"):
     hvd.init()
-    model = _model()
-    opt = hvd.DistributedZeroOptimizer(_adamw(model), model=model, stage=2)
+    model = mlp(device=_on(device))
+    opt = _wrap(model, stage=2)
     _train(model, opt, 1, "plain", None, steps=steps)
     hvd.zero.save_checkpoint(path, model, opt)
     hvd.shutdown()
 
 
-def _resume(path, steps, start):
+def _resume(path, steps, start, device="cpu"):
     hvd.init()
-    model = _model(seed=123)  # different weights: the checkpoint must replace them
-    opt = hvd.DistributedZeroOptimizer(_adamw(model), model=model, stage=2)
+    model = mlp(seed=123, device=_on(device))  # different weights: the checkpoint must replace them
+    opt = _wrap(model, stage=2)
     hvd.zero.load_checkpoint(path, model, opt)
     _train(model, opt, 1, "plain", None, steps=steps, start=start)
     # Plain lists: tensors sent from a process that then exits would arrive as dead shared-memory handles.
@@ -249,16 +213,16 @@ def test_consolidated_checkpoint_saved_at_2_ranks_resumes_at_3(tmp_path):
     assert os.path.exists(path) and not [f for f in os.listdir(tmp_path) if ".tmp." in f]
     res = launch(_resume, 3, path, 2, 2, timeout=120)
     assert all(s == "ok" for s, _ in res.values()), res
-    ref, _ = _reference(1, None, steps=4)
+    ref, _ = train_reference(1, None, steps=4)
     for r in range(3):
         params = {n: torch.tensor(v) for n, v in res[r][1].items()}
         for n, q in ref.named_parameters():
-            assert _rel(params[n], q) < 1e-5, (r, n, _rel(params[n], q))
+            assert rel_err(params[n], q) < 1e-5, (r, n, rel_err(params[n], q))
 
 
 def _bad_zero_input():
     msgs = {}
-    model = _model()
+    model = mlp()
 
     def attempt(key, fn):
         try:
@@ -267,26 +231,26 @@ def _bad_zero_input():
         except (ValueError, RuntimeError) as e:
             msgs[key] = str(e)
 
-    attempt("stage", lambda: hvd.DistributedZeroOptimizer(_adamw(model), model=model, stage=3))
+    attempt("stage", lambda: _wrap(model, stage=3))
     other = torch.nn.Linear(2, 2)
     attempt("foreign", lambda: hvd.DistributedZeroOptimizer(torch.optim.SGD(other.parameters(), lr=1), model=model))
     attempt("missing", lambda: hvd.DistributedZeroOptimizer(torch.optim.SGD(model[0].parameters(), lr=1), model=model))
     mixed = torch.nn.Linear(2, 2)
     mixed.bias = torch.nn.Parameter(torch.zeros(2, device="meta"))
     attempt("devices", lambda: hvd.DistributedZeroOptimizer(torch.optim.SGD(mixed.parameters(), lr=1), model=mixed))
-    model2 = _model()
-    opt = hvd.DistributedZeroOptimizer(_adamw(model2), model=model2, stage=2)
+    model2 = mlp()
+    opt = _wrap(model2, stage=2)
     sd = opt.state_dict()
     sd["zero"]["world_size"] = hvd.size() + 1
     attempt("world_size", lambda: opt.load_state_dict(sd))
 
     def step_inside():
         with opt.coalesce_grad_reduction():
-            _loss(model2, *_batch(0, 0)).backward()
+            mse(model2, *batch(0, 0)).backward()
             opt.step()
     attempt("step_inside", step_inside)
     attempt("overlap_no_model", lambda: hvd.DistributedZeroOptimizer(
-        _adamw(_model()), named_parameters=list(_model().named_parameters()), overlap_param_gather=True))
+        adamw(mlp().named_parameters()), named_parameters=list(mlp().named_parameters()), overlap_param_gather=True))
     return msgs
 
 
@@ -300,35 +264,10 @@ def test_bad_input_is_refused_with_what_to_do(ranks):
             assert fragment in msgs[key], (key, msgs[key])
 
 
-class _Tied(torch.nn.Module):
-    """Tied embedding/output weight, a frozen layer, and a layer never used."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(3)
-        self.emb = torch.nn.Embedding(11, 6)
-        self.head = torch.nn.Linear(6, 11, bias=False)
-        self.head.weight = self.emb.weight
-        self.mid = torch.nn.Linear(6, 6)
-        self.frozen = torch.nn.Linear(6, 6)
-        self.frozen.requires_grad_(False)
-        self.unused = torch.nn.Linear(6, 6)
-        self.to(DEVICE)
-
-    def forward(self, ids):
-        h = self.emb(ids)
-        return self.head(self.mid(h) + self.frozen(h))
-
-
-def _tied_batch(step):
-    g = torch.Generator().manual_seed(step)
-    return (torch.randint(0, 11, (GLOBAL_BATCH, 5), generator=g).to(DEVICE),
-            torch.randint(0, 11, (GLOBAL_BATCH * 5,), generator=g).to(DEVICE))
-
-
 def _tied_run(model, opt, ranks_slice):
+    dev = next(model.parameters()).device
     for step in range(3):
-        ids, target = _tied_batch(step)
+        ids, target = tied_batch(step, dev)
         lo, hi = ranks_slice
         loss = torch.nn.functional.cross_entropy(model(ids[lo:hi]).reshape(-1, 11), target.reshape(-1, 5)[lo:hi].reshape(-1))
         loss.backward()
@@ -336,18 +275,18 @@ def _tied_run(model, opt, ranks_slice):
         opt.zero_grad()
 
 
-def _tied_frozen_unused():
+def _tied_frozen_unused(device="cpu"):
     n, r = hvd.size(), hvd.rank()
     local = GLOBAL_BATCH // n
-    model = _Tied()
+    model = Tied(_on(device))
     frozen_before = model.frozen.weight.detach().clone()
     unused_before = model.unused.weight.detach().clone()
     opt = hvd.DistributedZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), model=model)
     _tied_run(model, opt, (r * local, (r + 1) * local))
-    ref = _Tied()
+    ref = Tied()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
     _tied_run(ref, ref_opt, (0, GLOBAL_BATCH))
-    errs = {n: _rel(p, q) for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())}
+    errs = {n: rel_err(p, q) for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())}
     assert model.head.weight.data_ptr() == model.emb.weight.data_ptr(), "tied weights must stay one tensor"
     return errs, torch.equal(model.frozen.weight, frozen_before), torch.equal(model.unused.weight, unused_before)
 
@@ -358,30 +297,31 @@ def test_tied_frozen_and_gradless_parameters_match_torch(ranks):
         assert frozen_same and unused_same
 
 
-def _fp16_loss_scaling():
+def _fp16_loss_scaling(device="cpu"):
     n, r = hvd.size(), hvd.rank()
-    local = GLOBAL_BATCH // n
-    model = _model()
+    dev = _on(device)
+    model = mlp(device=dev)
     opt = hvd.DistributedZeroOptimizer(torch.optim.SGD(model.parameters(), lr=1e-2), model=model,
                                        param_dtype=torch.float16)
     scale0 = opt.loss_scaler.scale
     before = [p.detach().clone() for p in model.parameters()]
-    # Rank 1's inputs overflow fp16 gradients at this scale: every rank must skip the step.
-    x, y = _batch(0, 0)
-    x = x[r * local:(r + 1) * local].half() * (3e4 if r == 1 else 1.0)
-    opt.scale_loss(_loss(model, x, y[r * local:(r + 1) * local].half())).backward()
+    # The last rank's inputs overflow fp16 gradients at this scale: every rank must skip
+    # the step. (The last, so that a job of one rank, on one GPU, overflows too.)
+    x, y = batch(0, 0, dev)
+    x = rank_rows(x, r, n).half() * (3e4 if r == n - 1 else 1.0)
+    opt.scale_loss(mse(model, x, rank_rows(y, r, n).half())).backward()
     opt.step()
     opt.zero_grad()
     skipped = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     # A clean step with the reduced scale is taken, and tracks plain fp32 SGD.
-    x, y = _batch(1, 0)
-    opt.scale_loss(_loss(model, x[r * local:(r + 1) * local].half(), y[r * local:(r + 1) * local].half())).backward()
+    x, y = batch(1, 0, dev)
+    opt.scale_loss(mse(model, rank_rows(x, r, n).half(), rank_rows(y, r, n).half())).backward()
     opt.step()
-    ref = _model()
+    ref = mlp()
     ref_opt = torch.optim.SGD(ref.parameters(), lr=1e-2)
-    _loss(ref, *_batch(1, 0)).backward()
+    mse(ref, *batch(1, 0)).backward()
     ref_opt.step()
-    errs = [_rel(p.float(), q) for p, q in zip(model.parameters(), ref.parameters())]
+    errs = [rel_err(p.float(), q) for p, q in zip(model.parameters(), ref.parameters())]
     return skipped, scale0, opt.loss_scaler.scale, errs
 
 
@@ -394,18 +334,17 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(ranks):
 
 def _downcast_modes():
     out = {}
+    n, r = hvd.size(), hvd.rank()
     for mode in ("1", "0"):
-        os.environ["HOROVOD_ZERO_DOWNCAST"] = mode
-        model = _model()
-        opt = hvd.DistributedZeroOptimizer(_adamw(model), model=model, param_dtype=torch.bfloat16)
-        r, local = hvd.rank(), GLOBAL_BATCH // hvd.size()
-        x, y = _batch(0, 0)
-        _loss(model, x[r * local:(r + 1) * local].bfloat16(), y[r * local:(r + 1) * local].bfloat16()).backward()
-        hvd.collective_stats(reset=True)
-        opt.step()
+        with scoped_env(HOROVOD_ZERO_DOWNCAST=mode):  # read by every step()
+            model = mlp()
+            opt = _wrap(model, param_dtype=torch.bfloat16)
+            x, y = batch(0, 0)
+            mse(model, rank_rows(x, r, n).bfloat16(), rank_rows(y, r, n).bfloat16()).backward()
+            hvd.collective_stats(reset=True)
+            opt.step()
         stats = [s for s in hvd.collective_stats() if s["op"] == "allgather"]
         out[mode] = ([p.detach().clone() for p in model.parameters()], {s["dtype"]: s["bytes"] for s in stats})
-    os.environ.pop("HOROVOD_ZERO_DOWNCAST")
     same = all(torch.equal(a, b) for a, b in zip(out["1"][0], out["0"][0]))
     return same, out["1"][1], out["0"][1]
 
@@ -420,39 +359,44 @@ def test_downcast_fusion_halves_allgather_bytes_with_identical_weights(ranks):
 
 def _gather_bytes(n, esize):
     align = 64 // esize
-    segment = sum(-(-(-(-p.numel() // n)) // align) * align for p in _model().parameters())
+    segment = sum(-(-(-(-p.numel() // n)) // align) * align for p in mlp().parameters())
     return n * segment * esize
 
 
 def _chunked_init():
-    os.environ["HOROVOD_ZERO_INIT_CHUNK_BYTES"] = "64"  # 16 elements a chunk: every parameter spans several
-    try:
-        model = _model()
-        opt = hvd.DistributedZeroOptimizer(_adamw(model), model=model, stage=2)
-    finally:
-        os.environ.pop("HOROVOD_ZERO_INIT_CHUNK_BYTES")
-    path = opt.init_path
+    with scoped_env(HOROVOD_ZERO_INIT_CHUNK_BYTES=64):  # 16 elements a chunk: every parameter spans several
+        model = mlp()
+        opt = _wrap(model, stage=2)
+    direct_model = mlp()
+    direct = _wrap(direct_model, stage=2)
+    paths = (opt.init_path, direct.init_path)
+    # The same fp32 master shards and padded parameter storage as the direct build.
+    same = (all(torch.equal(a, b) for a, b in zip(opt._master, direct._master))
+            and all(torch.equal(a, b) for a, b in zip(opt._stores, direct._stores))
+            and len(opt._stores) == len(direct._stores) == 4)
     _train(model, opt, 1, "plain", None)
-    ref, _ = _reference(1, None)
-    return path, [_rel(p, q) for p, q in zip(model.parameters(), ref.parameters())]
+    ref, _ = train_reference(1, None)
+    return paths, same, [rel_err(p, q) for p, q in zip(model.parameters(), ref.parameters())]
 
 
 def test_chunked_initialisation_fallback_builds_the_same_shards(ranks):
-    for path, errs in ranks.run(_chunked_init):
+    for (path, direct_path), same, errs in ranks.run(_chunked_init):
         assert path.startswith("chunked"), path
+        assert direct_path == "device", direct_path
+        assert same, "the chunked build's shards differ from the direct build's"
         assert all(e < 1e-5 for e in errs), errs
 
 
 def _different_starts():
     """As in the README: ranks start from different weights, wrap, then broadcast."""
     n, r = hvd.size(), hvd.rank()
-    model = _model(seed=100 + r)  # every rank different; rank 0's must win
-    opt = hvd.DistributedZeroOptimizer(_adamw(model), model=model, stage=2)
+    model = mlp(seed=100 + r)  # every rank different; rank 0's must win
+    opt = _wrap(model, stage=2)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     _train(model, opt, 1, "plain", None)
-    ref = _model(seed=100)
-    _reference(1, None, model=ref, opt=_adamw(ref))
-    return [_rel(p, q) for p, q in zip(model.parameters(), ref.parameters())]
+    ref = mlp(seed=100)
+    train_reference(1, None, model=ref)
+    return [rel_err(p, q) for p, q in zip(model.parameters(), ref.parameters())]
 
 
 def test_ranks_that_start_different_train_from_rank_0s_weights(ranks):
