@@ -17,9 +17,12 @@ struct WaitingTensor {
 class Coordinator {
  public:
   explicit Coordinator(int size) : size_(size) {}
-  // Records requests; appends the responses of tensors that every rank has now
-  // submitted, in the order they became complete.
-  void Add(const std::vector<Request>& reqs, std::vector<Response>* ready);
+  // Records requests; appends the responses of tensors that every rank not in
+  // `joined` has now submitted, in the order they became complete.
+  void Add(const std::vector<Request>& reqs, const std::vector<bool>& joined, std::vector<Response>* ready);
+  // After more ranks joined: appends the responses of the tensors that were waiting
+  // only on them, in name order.
+  void Sweep(const std::vector<bool>& joined, std::vector<Response>* ready);
   void AppendWaiting(std::vector<WaitingTensor>* out) const;
   void Drop(const std::string& name) { table_.erase(name); }
 
@@ -29,6 +32,9 @@ class Coordinator {
     std::vector<bool> have;
     int count = 0;
   };
+  bool Complete(const Pending& p, const std::vector<bool>& joined) const;
+  Response Respond(const Pending& p, const std::vector<bool>& joined) const;
+
   int size_;
   std::unordered_map<std::string, Pending> table_;
 };

@@ -23,6 +23,7 @@ from horovod_zero.torch.mpi_ops import (
     HorovodInternalError,
     Max,
     Min,
+    Product,
     Sum,
     allgather,
     allgather_async,
@@ -48,5 +49,7 @@ from horovod_zero.torch.mpi_ops import (
     reducescatter_async,
     synchronize,
 )
+from horovod_zero.torch.alltoall import alltoall, alltoall_async
+from horovod_zero.torch.join import join
 from horovod_zero.torch import zero
 from horovod_zero.torch.zero import DistributedZeroOptimizer

@@ -16,6 +16,7 @@ Sum = _core.SUM
 Average = _core.AVERAGE
 Min = _core.MIN
 Max = _core.MAX
+Product = _core.PRODUCT
 
 _counters = defaultdict(itertools.count)
 _counter_lock = threading.Lock()
@@ -33,8 +34,8 @@ def _resolve_op(op, average):
             raise ValueError("Pass either op= or the deprecated average=, not both.")
         return Average if average else Sum
     op = Average if op is None else op
-    if op not in (Sum, Average, Min, Max):
-        raise ValueError(f"op={op!r} is not one of hvd.Sum, hvd.Average, hvd.Min, hvd.Max.")
+    if op not in (Sum, Average, Min, Max, Product):
+        raise ValueError(f"op={op!r} is not one of hvd.Sum, hvd.Average, hvd.Min, hvd.Max, hvd.Product.")
     return op
 
 
