@@ -208,8 +208,11 @@ Response MakeResponse(const std::vector<Request>& reqs, const std::vector<int>& 
   resp.prescale = r0.prescale;
   resp.postscale = r0.postscale;
   resp.shape = r0.shape;
-  resp.error = CheckAgreement(reqs);
-  if (resp.ok() && !missing_joined.empty() && r0.op != OpType::kAllreduce) resp.error = MissingJoinedError(r0.name, r0.op, missing_joined);
+  // Only an allreduce can go without ranks (see [Note: join]); the others are
+  // checked as every rank's, so the splits check counts them all.
+  resp.error = !missing_joined.empty() && r0.op != OpType::kAllreduce
+                   ? MissingJoinedError(r0.name, r0.op, missing_joined)
+                   : CheckAgreement(reqs);
   if (!resp.ok()) return resp;
   if (r0.op == OpType::kAllgather || r0.op == OpType::kAlltoall) {
     for (const auto& r : reqs) resp.first_dims.push_back(r.shape.empty() ? 1 : r.shape[0]);

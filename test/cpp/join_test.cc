@@ -108,12 +108,16 @@ TEST(JoinNegotiation, OtherOpsThatAJoinedRankLacksFailNamingTheTensorAndRank) {
   auto t = RunRanks(3, p, 5, [](int rank, int cycle) {
     if (cycle == 0) return std::vector<Request>{Req("b", {2}, OpType::kBroadcast)};
     if (rank == 2) return cycle == 1 ? std::vector<Request>{Join()} : std::vector<Request>{};
-    if (cycle == 2) return std::vector<Request>{Req("g", {rank + 1, 2}, OpType::kAllgather)};  // uncached
+    if (cycle == 2) {  // uncached
+      Request a2a = Req("t", {3}, OpType::kAlltoall);
+      a2a.splits = {1, 1, 1};
+      return std::vector<Request>{Req("g", {rank + 1, 2}, OpType::kAllgather), a2a};
+    }
     if (cycle == 3) return std::vector<Request>{Req("b", {2}, OpType::kBroadcast)};             // cached
     return std::vector<Request>{};
   });
   ExpectIdentical(t);
-  for (const char* name : {"g", "b"}) {
+  for (const char* name : {"g", "t", "b"}) {
     for (int r : {0, 1}) {
       const Response* resp = nullptr;
       for (size_t k = 1; k < t[r].cycles.size(); ++k)
