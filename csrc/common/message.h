@@ -9,6 +9,11 @@
 
 namespace hvdz {
 
+// join() waits under this name (op kJoin) until every rank has joined. It is never
+// negotiated, but the stall inspector reports it, and the name reads well in
+// messages that list what a rank was waiting for.
+constexpr char kJoinName[] = "hvd.join()";
+
 struct Request {
   std::string name;
   int32_t rank = 0;

@@ -117,6 +117,11 @@ void Controller::InspectStalls(const std::vector<Header>& all, const std::vector
   coordinator_.AppendWaiting(&waiting);
   std::vector<uint64_t> some, every;
   Coverage(all, joined, &some, &every);
+  // join() waits on the ranks that have not joined, like a tensor they have not submitted.
+  WaitingTensor join{kJoinName, {}};
+  for (size_t r = 0; r < joined.size(); ++r)
+    if (joined[r]) join.present_ranks.push_back(static_cast<int>(r));
+  if (!join.present_ranks.empty() && join.present_ranks.size() < joined.size()) waiting.push_back(join);
   for (size_t w = 0; w < words_; ++w) some[w] &= ~every[w] & ~invalid_any[w];
   ForEachBit(some, [&](uint32_t pos) {
     if (!cache_.Holds(pos)) return;
@@ -167,7 +172,9 @@ void Controller::Admit(const std::vector<Response>& fresh) {
       for (auto pos : evicted) Requeue(pos);
       continue;
     }
-    // An error (mismatch or stall) ends this tensor wherever it waits.
+    // An error (mismatch or stall) ends this tensor wherever it waits; a stalled
+    // join() fails, and this rank stops standing in for others.
+    if (resp.name == kJoinName) joined_ = false;
     for (auto it = pending_hits_.begin(); it != pending_hits_.end();) {
       it = it->second.name == resp.name ? pending_hits_.erase(it) : std::next(it);
     }
@@ -182,7 +189,8 @@ Status Controller::RunCycle(const std::vector<Request>& new_requests, bool want_
   uint32_t flags = want_shutdown ? kShutdown : 0;
   if (!unsent_.empty()) flags |= kHasUncached;
   if (cp_.rank() == 0 && !stall_errors_.empty()) flags |= kCoordinatorNews;
-  if (joined_) flags |= kJoined;
+  const bool was_joined = joined_;  // what the others read in this cycle's header
+  if (was_joined) flags |= kJoined;
   std::vector<uint8_t> all_bytes;
   HVDZ_RETURN_IF_ERROR(cp_.Allgather(EncodeHeader(flags), &all_bytes));
 
@@ -213,7 +221,7 @@ Status Controller::RunCycle(const std::vector<Request>& new_requests, bool want_
     Admit(fresh);
     out->responses.insert(out->responses.end(), fresh.begin(), fresh.end());
   }
-  out->self_joined = joined_;
+  out->self_joined = was_joined;
   if (join.all) {
     out->join_done = true;
     out->last_joined = join.last;

@@ -6,10 +6,6 @@
 namespace hvdz {
 namespace {
 
-// join() waits in the queue under this name until every rank has joined; it is
-// never negotiated, and reads well in messages that list waiting tensors.
-const char kJoinName[] = "hvd.join()";
-
 Request StandInRequest(const Response& r, int rank, int device) {
   Request q;
   q.name = r.name;

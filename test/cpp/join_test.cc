@@ -145,8 +145,12 @@ TEST(JoinNegotiation, JoinCompletesOnEveryRankInOneCycleWithTheLastToJoin) {
     for (int k = 0; k < 9; ++k) {
       const CycleResult& res = t[r].results[k];
       EXPECT_EQ(res.join_done, k == 3 || k == 7) << "rank " << r << " cycle " << k;
-      if (k == 3) EXPECT_EQ(res.last_joined, 1);
-      if (k == 7) EXPECT_EQ(res.last_joined, 2) << "all joined in one cycle: the highest rank";
+      if (k == 3) {
+        EXPECT_EQ(res.last_joined, 1);
+      }
+      if (k == 7) {
+        EXPECT_EQ(res.last_joined, 2) << "all joined in one cycle: the highest rank";
+      }
     }
     EXPECT_TRUE(t[r].results[2].self_joined == (r != 1));
     EXPECT_FALSE(t[r].results[5].self_joined) << "join has returned";
@@ -171,6 +175,29 @@ TEST(JoinNegotiation, ATensorOfAJoinedRankRunsWhenTheLastRankJoins) {
     EXPECT_TRUE(x->ok()) << x->error;
     EXPECT_EQ(cycle, 2);
     EXPECT_TRUE(tr.results[2].join_done);
+  }
+}
+
+TEST(JoinNegotiation, AJoinThatOthersNeverMatchStallsLikeATensor) {
+  Params p;
+  p.stall_check_seconds = 0.01;
+  p.stall_shutdown_seconds = 0.05;
+  auto t = RunRanks(2, p, 20, [](int rank, int cycle) {
+    if (rank == 0 && cycle == 0) return std::vector<Request>{Join()};
+    if (cycle == 15) return std::vector<Request>{Req("later", {2})};
+    return std::vector<Request>{};
+  }, 10);
+  ExpectIdentical(t);
+  for (const auto& tr : t) {
+    int cycle = -1;
+    const Response* j = Find(tr, "hvd.join()", &cycle);
+    ASSERT_NE(j, nullptr);
+    EXPECT_NE(j->error.find("not by ranks [1]"), std::string::npos) << j->error;
+    ASSERT_LT(cycle, 15);
+    EXPECT_FALSE(tr.results[cycle + 1].self_joined) << "a failed join stands in no more";
+    const Response* later = Find(tr, "later");
+    ASSERT_NE(later, nullptr) << "both ranks take part again";
+    EXPECT_TRUE(later->ok());
   }
 }
 
