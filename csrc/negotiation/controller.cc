@@ -150,8 +150,10 @@ Status Controller::SlowPath(const std::vector<bool>& joined, std::vector<Respons
       std::vector<Request> reqs;
       if (!ParseRequests(bytes.data(), bytes.size(), &reqs))
         return Status::Error("Corrupt request list received by the coordinator.");
-      coordinator_.Add(reqs, joined, &resps);
+      coordinator_.Add(reqs, &resps);
     }
+    // After every rank's list: a rank that joined in this cycle may have sent the
+    // tensor in the same list as its join.
     coordinator_.Sweep(joined, &resps);
     resps.insert(resps.end(), stall_errors_.begin(), stall_errors_.end());
     stall_errors_.clear();

@@ -21,7 +21,7 @@ Response Coordinator::Respond(const Pending& p, const std::vector<bool>& joined)
   return MakeResponse(present, missing);
 }
 
-void Coordinator::Add(const std::vector<Request>& reqs, const std::vector<bool>& joined, std::vector<Response>* ready) {
+void Coordinator::Add(const std::vector<Request>& reqs, std::vector<Response>* ready) {
   for (const auto& r : reqs) {
     if (r.rank < 0 || r.rank >= size_) continue;
     auto& p = table_[r.name];
@@ -32,8 +32,8 @@ void Coordinator::Add(const std::vector<Request>& reqs, const std::vector<bool>&
     if (!p.have[r.rank]) ++p.count;
     p.have[r.rank] = true;
     p.by_rank[r.rank] = r;
-    if (Complete(p, joined)) {
-      ready->push_back(Respond(p, joined));
+    if (p.count == size_) {
+      ready->push_back(MakeResponse(p.by_rank));
       table_.erase(r.name);
     }
   }

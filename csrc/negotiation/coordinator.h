@@ -17,11 +17,11 @@ struct WaitingTensor {
 class Coordinator {
  public:
   explicit Coordinator(int size) : size_(size) {}
-  // Records requests; appends the responses of tensors that every rank not in
-  // `joined` has now submitted, in the order they became complete.
-  void Add(const std::vector<Request>& reqs, const std::vector<bool>& joined, std::vector<Response>* ready);
-  // After more ranks joined: appends the responses of the tensors that were waiting
-  // only on them, in name order.
+  // Records requests; appends the responses of tensors that every rank has now
+  // submitted, in the order they became complete.
+  void Add(const std::vector<Request>& reqs, std::vector<Response>* ready);
+  // Once every rank's requests of a cycle are in: appends, in name order, the
+  // responses of the tensors that wait only on ranks in `joined`.
   void Sweep(const std::vector<bool>& joined, std::vector<Response>* ready);
   void AppendWaiting(std::vector<WaitingTensor>* out) const;
   void Drop(const std::string& name) { table_.erase(name); }

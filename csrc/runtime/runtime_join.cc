@@ -44,6 +44,10 @@ Status Runtime::EnqueueJoin(int cuda_device, const TensorDesc& last_joined, std:
 Status Runtime::StandIn(const Response& r, TensorEntry* e) {
   int device = kCpuDevice;
   if (r.on_cuda) {
+    if (!gpu_) {
+      return Status::Error("Rank " + std::to_string(world_.rank) + " joined, but cannot add its zeros to the CUDA "
+                           "allreduce of '" + r.name + "': this process has no CUDA support.");
+    }
     device = join_device_ >= 0 ? join_device_.load() : cuda_device_.load();
     if (device < 0) {
       return Status::Error("Rank " + std::to_string(world_.rank) + " joined without a CUDA device for its zeros in "

@@ -132,6 +132,23 @@ TEST(JoinNegotiation, OtherOpsThatAJoinedRankLacksFailNamingTheTensorAndRank) {
   }
 }
 
+TEST(JoinNegotiation, ATensorSentWithTheJoinInOneCycleIsNotMissing) {
+  Params p;
+  auto t = RunRanks(2, p, 2, [](int rank, int cycle) {
+    if (cycle != 0) return std::vector<Request>{};
+    // Rank 0's list reaches the coordinator first: rank 1's request must still count.
+    Request g = Req("g", {1, 2}, OpType::kAllgather);
+    return rank == 0 ? std::vector<Request>{g} : std::vector<Request>{g, Join()};
+  });
+  ExpectIdentical(t);
+  for (const auto& tr : t) {
+    const Response* g = Find(tr, "g");
+    ASSERT_NE(g, nullptr);
+    EXPECT_TRUE(g->ok()) << g->error;
+    EXPECT_EQ(g->first_dims, (std::vector<int64_t>{1, 1}));
+  }
+}
+
 TEST(JoinNegotiation, JoinCompletesOnEveryRankInOneCycleWithTheLastToJoin) {
   Params p;
   auto t = RunRanks(3, p, 9, [](int rank, int cycle) {
