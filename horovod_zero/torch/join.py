@@ -1,7 +1,7 @@
 """hvd.join(): for ranks with different numbers of batches, as in Horovod."""
 
 from horovod_zero.torch import mpi_ops
-from horovod_zero.torch.basics import _runtime, cuda_built, device as _device
+from horovod_zero.torch.basics import _runtime, device as _device
 
 
 def join(device=-1) -> int:
@@ -13,9 +13,13 @@ def join(device=-1) -> int:
     joined rank did not submit fails on the ranks that did. Returns the rank that
     joined last, the same on every rank.
 
+    A rank that never joins (nor shuts down) is reported like a stalled tensor:
+    warned about after HOROVOD_STALL_CHECK_TIME_SECONDS, and join() fails after
+    HOROVOD_STALL_SHUTDOWN_TIME_SECONDS when that is set.
+
     device: the CUDA device for the zeros of CUDA allreduces; -1 (the default)
     takes hvd.device() when CUDA is in use."""
     if device is None or device < 0:
-        device = _device().index if cuda_built() else -1
-        device = -1 if device is None else device
+        d = _device()
+        device = d.index if d.type == "cuda" else -1
     return int(mpi_ops.synchronize(_runtime().join(int(device))).item())
