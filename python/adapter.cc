@@ -28,6 +28,7 @@ bool ToDataType(at::ScalarType t, DataType* out) {
   switch (t) {
     case at::kByte: *out = DataType::kUInt8; return true;
     case at::kChar: *out = DataType::kInt8; return true;
+    case at::kShort: *out = DataType::kInt16; return true;
     case at::kInt: *out = DataType::kInt32; return true;
     case at::kLong: *out = DataType::kInt64; return true;
     case at::kHalf: *out = DataType::kFloat16; return true;
@@ -39,8 +40,8 @@ bool ToDataType(at::ScalarType t, DataType* out) {
 }
 
 at::ScalarType ToScalar(DataType t) {
-  static const at::ScalarType kMap[] = {at::kByte, at::kChar, at::kInt, at::kLong,
-                                        at::kHalf, at::kBFloat16, at::kFloat, at::kDouble};
+  static const at::ScalarType kMap[kNumDataTypes] = {at::kByte,     at::kChar,  at::kInt,    at::kLong, at::kHalf,
+                                                     at::kBFloat16, at::kFloat, at::kDouble, at::kShort};
   return kMap[static_cast<int>(t)];
 }
 
@@ -57,7 +58,7 @@ Status CheckTensor(const at::Tensor& t, const std::string& name, const char* rol
   if (!t.defined()) return Status::InvalidArgument("The " + std::string(role) + " of '" + name + "' is None.");
   if (!ToDataType(t.scalar_type(), dt))
     return Status::InvalidArgument("Tensor '" + name + "' has dtype " + std::string(c10::toString(t.scalar_type())) +
-                                   "; supported: float32, float16, bfloat16, float64, int32, int64, int8, uint8.");
+                                   "; supported: float32, float16, bfloat16, float64, int64, int32, int16, int8, uint8.");
   if (!t.is_cpu() && !t.is_cuda())
     return Status::InvalidArgument("Tensor '" + name + "' is on " + t.device().str() + "; only CPU and CUDA tensors are supported.");
   if (!t.is_contiguous())
@@ -72,10 +73,27 @@ class TorchAllocator : public Allocator {
  public:
   Status Allocate(int device, DataType dtype, const std::vector<int64_t>& shape, TensorDesc* out,
                   std::shared_ptr<void>* holder) override {
+    return Make(device, dtype, shape, /*zeros=*/false, out, holder);
+  }
+  Status AllocateOnStream(int device, int64_t bytes, void* stream, TensorDesc* out,
+                          std::shared_ptr<void>* holder) override {
+    auto scope = device == kCpuDevice || stream == nullptr ? nullptr : UseCudaStream(device, stream);
+    return Allocate(device, DataType::kUInt8, {bytes}, out, holder);
+  }
+  // On CUDA the fill runs on `stream`, ahead of the collective that reads it.
+  Status AllocateZeros(int device, DataType dtype, const std::vector<int64_t>& shape, void* stream, TensorDesc* out,
+                       std::shared_ptr<void>* holder) override {
+    auto scope = device == kCpuDevice || stream == nullptr ? nullptr : UseCudaStream(device, stream);
+    return Make(device, dtype, shape, /*zeros=*/true, out, holder);
+  }
+
+ private:
+  static Status Make(int device, DataType dtype, const std::vector<int64_t>& shape, bool zeros, TensorDesc* out,
+                     std::shared_ptr<void>* holder) {
     try {
       auto opts = at::TensorOptions().dtype(ToScalar(dtype));
       opts = device == kCpuDevice ? opts.device(at::kCPU) : opts.device(at::Device(at::kCUDA, device));
-      auto t = std::make_shared<at::Tensor>(at::empty(shape, opts));
+      auto t = std::make_shared<at::Tensor>(zeros ? at::zeros(shape, opts) : at::empty(shape, opts));
       *out = Describe(*t, dtype);
       *holder = t;
       return Status::OK();
@@ -83,16 +101,16 @@ class TorchAllocator : public Allocator {
       return Status::Error(std::string("Allocation failed: ") + e.what());
     }
   }
-  Status AllocateOnStream(int device, int64_t bytes, void* stream, TensorDesc* out,
-                          std::shared_ptr<void>* holder) override {
-    auto scope = device == kCpuDevice || stream == nullptr ? nullptr : UseCudaStream(device, stream);
-    return Allocate(device, DataType::kUInt8, {bytes}, out, holder);
-  }};
+};
 
-// What an entry keeps alive: the input, and the output once allocated.
+// What an entry keeps alive: the input, and the output once allocated. An
+// alltoall also returns the rows received from each rank, as a tensor with
+// `splits_options` made on the caller's thread.
 struct Kept {
   at::Tensor input;
   at::Tensor output;
+  std::optional<at::TensorOptions> splits_options;
+  std::vector<int64_t> received_splits;
 };
 
 struct OpArgs {
@@ -107,15 +125,13 @@ struct OpArgs {
 Status Validate(const OpArgs& a, const std::string& name, DataType dt, DataType out_dt, const at::Tensor& t, int size) {
   const auto op = static_cast<OpType>(a.op);
   const bool reduces = op == OpType::kAllreduce || op == OpType::kReducescatter;
-  if (reduces && !IsFloatingPoint(dt)) {
-    if (static_cast<ReduceOp>(a.reduce_op) == ReduceOp::kAverage)
-      return Status::InvalidArgument("op=Average on integer tensor '" + name + "' would truncate; use op=Sum and divide.");
-    if (a.prescale != 1.0 || a.postscale != 1.0)
-      return Status::InvalidArgument("prescale/postscale factors need a floating-point tensor; '" + name + "' is integer.");
-  }
+  if (reduces && !IsReducible(dt))
+    return Status::InvalidArgument("Tensor '" + name + "' is " + DataTypeName(dt) + ", which can be gathered, broadcast "
+                                   "and sent with alltoall but not reduced: neither NCCL nor Gloo has " +
+                                   DataTypeName(dt) + " arithmetic (Horovod refuses it too). Reduce tensor.int() instead.");
   if (out_dt != dt && !(IsFloatingPoint(dt) && IsFloatingPoint(out_dt)))
     return Status::InvalidArgument("output_dtype casts between floating-point dtypes only (tensor '" + name + "').");
-  if ((op == OpType::kAllgather || op == OpType::kReducescatter) && t.dim() == 0)
+  if ((op == OpType::kAllgather || op == OpType::kReducescatter || op == OpType::kAlltoall) && t.dim() == 0)
     return Status::InvalidArgument(std::string(OpTypeName(op)) + " of '" + name + "' needs a tensor with at least one dimension.");
   if (op == OpType::kBroadcast && (a.root < 0 || a.root >= size))
     return Status::InvalidArgument("root_rank " + std::to_string(a.root) + " of '" + name + "' is not a rank of this job of size " + std::to_string(size) + ".");
@@ -179,30 +195,63 @@ class PyRuntime {
     return handles[0];
   }
 
-  at::Tensor Wait(int64_t h) {
+  py::object Wait(int64_t h) {
     Status s;
     {
       py::gil_scoped_release nogil;
       s = rt_->handles().Wait(h);
     }
-    at::Tensor out = TakeOutput(h);
+    py::object out = TakeOutput(h);
     Check(s);
     return out;
   }
 
   // Many handles for one release of the GIL. Every handle is waited for and
   // released before the first failure (in order) is raised, so none is left behind.
-  std::vector<at::Tensor> WaitAll(const std::vector<int64_t>& hs) {
+  std::vector<py::object> WaitAll(const std::vector<int64_t>& hs) {
     std::vector<Status> st(hs.size());
     {
       py::gil_scoped_release nogil;
       for (size_t i = 0; i < hs.size(); ++i) st[i] = rt_->handles().Wait(hs[i]);
     }
-    std::vector<at::Tensor> out;
+    std::vector<py::object> out;
     out.reserve(hs.size());
     for (auto h : hs) out.push_back(TakeOutput(h));
     for (const auto& s : st) Check(s);
     return out;
+  }
+
+  // Alltoall: `splits[q]` rows of dim 0 go to rank q. The handle's result is
+  // (output, received splits), the splits made like `splits_like` (int32 on the
+  // host when None).
+  int64_t EnqueueAlltoall(const at::Tensor& input, const std::vector<int64_t>& splits, const std::string& name,
+                          const std::optional<at::Tensor>& splits_like) {
+    const OpArgs args{static_cast<int>(OpType::kAlltoall), static_cast<int>(ReduceOp::kSum), 1.0, 1.0, 0, std::nullopt};
+    void* stream = input.is_cuda() ? CurrentCudaStream(input.device().index()) : nullptr;
+    std::vector<TensorEntry> entries(1);
+    TensorEntry& e = entries[0];
+    Check(MakeEntry(args, input, std::nullopt, name, stream, &e));
+    Check(CheckSplits(splits, name, input.size(0)));
+    e.request.splits = splits;
+    auto kept = std::static_pointer_cast<Kept>(e.keepalive);
+    kept->splits_options = splits_like ? splits_like->options() : at::TensorOptions().dtype(at::kInt);
+    std::weak_ptr<Kept> weak = kept;
+    e.received_splits = [weak](const std::vector<int64_t>& received) {
+      if (auto k = weak.lock()) k->received_splits = received;
+    };
+    std::vector<int64_t> handles;
+    Check(rt_->Enqueue(std::move(entries), stream, &handles));
+    return handles[0];
+  }
+
+  // join(): returns a handle whose result is the rank that joined last.
+  int64_t Join(int device) {
+    auto kept = std::make_shared<Kept>();
+    kept->output = at::full({}, -1, at::TensorOptions().dtype(at::kInt));
+    const TensorDesc out = Describe(kept->output, DataType::kInt32);
+    int64_t h = 0;
+    Check(rt_->EnqueueJoin(device, out, std::move(kept), &h));
+    return h;
   }
 
   bool Poll(int64_t h) {
@@ -315,10 +364,30 @@ class PyRuntime {
     return Status::OK();
   }
 
+  Status CheckSplits(const std::vector<int64_t>& splits, const std::string& name, int64_t dim0) const {
+    const int size = rt_->world().size;
+    int64_t sum = 0;
+    for (auto s : splits) {
+      if (s < 0) return Status::InvalidArgument("alltoall of '" + name + "': splits " + ShapeString(splits) + " has a negative count.");
+      sum += s;
+    }
+    if (static_cast<int>(splits.size()) != size)
+      return Status::InvalidArgument("alltoall of '" + name + "': splits " + ShapeString(splits) + " has " +
+                                     std::to_string(splits.size()) + " counts; pass one per rank (" + std::to_string(size) + ").");
+    if (sum != dim0)
+      return Status::InvalidArgument("alltoall of '" + name + "': splits " + ShapeString(splits) + " add up to " +
+                                     std::to_string(sum) + " rows, but the tensor has " + std::to_string(dim0) +
+                                     " in dim 0; they must add up to dim 0.");
+    return Status::OK();
+  }
+
   // Called with the GIL held: the input and output may be dropped here for the last time.
-  at::Tensor TakeOutput(int64_t h) {
+  py::object TakeOutput(int64_t h) {
     auto kept = std::static_pointer_cast<Kept>(rt_->handles().Release(h));
-    return kept ? kept->output : at::Tensor();
+    if (!kept) return py::none();
+    if (!kept->splits_options) return py::cast(kept->output);
+    at::Tensor received = at::tensor(kept->received_splits, at::TensorOptions().dtype(at::kLong));
+    return py::make_tuple(kept->output, received.to(*kept->splits_options));
   }
 
   void Check(const Status& s) const { ThrowIfError(s, internal_error_); }
@@ -363,6 +432,9 @@ PYBIND11_MODULE(_core, m) {
            py::arg("cross_size"), py::arg("shm_name") = "")
       .def("enqueue", &PyRuntime::Enqueue)
       .def("enqueue_one", &PyRuntime::EnqueueOne)
+      .def("enqueue_alltoall", &PyRuntime::EnqueueAlltoall, py::arg("tensor"), py::arg("splits"), py::arg("name"),
+           py::arg("splits_like") = std::nullopt)
+      .def("join", &PyRuntime::Join, py::arg("device"))
       .def("wait", &PyRuntime::Wait)
       .def("wait_all", &PyRuntime::WaitAll)
       .def("poll", &PyRuntime::Poll)
@@ -376,8 +448,10 @@ PYBIND11_MODULE(_core, m) {
   m.attr("OP_ALLGATHER") = static_cast<int>(OpType::kAllgather);
   m.attr("OP_REDUCESCATTER") = static_cast<int>(OpType::kReducescatter);
   m.attr("OP_BROADCAST") = static_cast<int>(OpType::kBroadcast);
+  m.attr("OP_ALLTOALL") = static_cast<int>(OpType::kAlltoall);
   m.attr("SUM") = static_cast<int>(ReduceOp::kSum);
   m.attr("AVERAGE") = static_cast<int>(ReduceOp::kAverage);
   m.attr("MIN") = static_cast<int>(ReduceOp::kMin);
   m.attr("MAX") = static_cast<int>(ReduceOp::kMax);
+  m.attr("PRODUCT") = static_cast<int>(ReduceOp::kProduct);
 }

@@ -10,7 +10,8 @@ namespace {
 
 std::string DeviceKind(const Request& r) { return r.on_cuda() ? "cuda" : "cpu"; }
 
-// Formats "rank 0 has A, rank k has B" for the first rank whose value differs.
+// Formats "rank p has A, rank q has B" for the first rank whose value differs from
+// the first request's.
 template <typename Get>
 std::string FirstMismatch(const std::vector<Request>& reqs, const char* what, Get get) {
   auto ref = get(reqs[0]);
@@ -18,10 +19,35 @@ std::string FirstMismatch(const std::vector<Request>& reqs, const char* what, Ge
     auto v = get(reqs[r]);
     if (v != ref) {
       std::ostringstream os;
-      os << "Mismatched " << what << " for tensor '" << reqs[0].name << "': rank 0 has " << ref
-         << ", rank " << r << " has " << v << ". Every rank must submit this tensor with the same "
+      os << "Mismatched " << what << " for tensor '" << reqs[0].name << "': rank " << reqs[0].rank << " has " << ref
+         << ", rank " << reqs[r].rank << " has " << v << ". Every rank must submit this tensor with the same "
          << what << ".";
       return os.str();
+    }
+  }
+  return {};
+}
+
+std::string TrailingShape(const Request& r) {
+  if (r.shape.empty()) return "a scalar";
+  return ShapeString(std::vector<int64_t>(r.shape.begin() + 1, r.shape.end()));
+}
+
+// Each rank's splits: one count per rank, none negative, summing to its dim 0
+// (checked at the call too; a request from another build could still differ).
+std::string CheckSplits(const std::vector<Request>& reqs) {
+  const size_t size = reqs.size();
+  for (const auto& r : reqs) {
+    int64_t sum = 0;
+    bool negative = false;
+    for (auto s : r.splits) {
+      sum += s;
+      negative |= s < 0;
+    }
+    if (r.splits.size() != size || negative || r.shape.empty() || sum != r.shape[0]) {
+      return "Invalid alltoall splits for tensor '" + r.name + "' on rank " + std::to_string(r.rank) + ": " +
+             ShapeString(r.splits) + " for a tensor of shape " + ShapeString(r.shape) + ". Pass one non-negative "
+             "count of rows per rank (" + std::to_string(size) + " in all), summing to dim 0.";
     }
   }
   return {};
@@ -42,12 +68,10 @@ std::string CheckAgreement(const std::vector<Request>& reqs) {
   if (op == OpType::kBroadcast) {
     if (!(e = FirstMismatch(reqs, "root rank", [](const Request& r) { return r.root; })).empty()) return e;
   }
-  if (op == OpType::kAllgather) {
+  if (op == OpType::kAllgather || op == OpType::kAlltoall) {
     // Dim 0 may differ between ranks; the rest must not.
-    return FirstMismatch(reqs, "shape past dim 0", [](const Request& r) {
-      if (r.shape.empty()) return std::string("a scalar");
-      return ShapeString(std::vector<int64_t>(r.shape.begin() + 1, r.shape.end()));
-    });
+    if (!(e = FirstMismatch(reqs, "shape past dim 0", TrailingShape)).empty()) return e;
+    return op == OpType::kAlltoall ? CheckSplits(reqs) : std::string();
   }
   return FirstMismatch(reqs, "shape", [](const Request& r) { return ShapeString(r.shape); });
 }
@@ -64,6 +88,7 @@ void PutRequest(ByteWriter& w, const Request& r) {
   w.Put<double>(r.prescale);
   w.Put<double>(r.postscale);
   w.PutInts(r.shape);
+  w.PutInts(r.splits);
 }
 
 Request GetRequest(ByteReader& rd) {
@@ -79,6 +104,7 @@ Request GetRequest(ByteReader& rd) {
   r.prescale = rd.Get<double>();
   r.postscale = rd.Get<double>();
   r.shape = rd.GetInts();
+  r.splits = rd.GetInts();
   return r;
 }
 
@@ -94,6 +120,7 @@ void PutResponse(ByteWriter& w, const Response& r) {
   w.Put<double>(r.postscale);
   w.PutInts(r.shape);
   w.PutInts(r.first_dims);
+  w.PutInts(r.splits);
   w.PutString(r.error);
 }
 
@@ -110,6 +137,7 @@ Response GetResponse(ByteReader& rd) {
   r.postscale = rd.Get<double>();
   r.shape = rd.GetInts();
   r.first_dims = rd.GetInts();
+  r.splits = rd.GetInts();
   r.error = rd.GetString();
   return r;
 }
@@ -122,7 +150,24 @@ bool ParseList(const uint8_t* data, size_t size, std::vector<T>* out, Get get) {
   return rd.ok();
 }
 
+// Allgather and alltoall: dims past 0 as negotiated, and dim 0 as this rank's.
+bool SameTrailingShape(const Request& q, const Response& r) {
+  return !q.shape.empty() && q.shape.size() == r.shape.size() &&
+         std::equal(q.shape.begin() + 1, q.shape.end(), r.shape.begin() + 1) &&
+         q.rank < static_cast<int32_t>(r.first_dims.size()) && r.first_dims[q.rank] == q.shape[0];
+}
+
 }  // namespace
+
+std::string RankList(const std::vector<int>& ranks) {
+  return ShapeString(std::vector<int64_t>(ranks.begin(), ranks.end()));
+}
+
+std::string MissingJoinedError(const std::string& name, OpType op, const std::vector<int>& missing) {
+  return "The " + std::string(OpTypeName(op)) + " of tensor '" + name + "' cannot run: ranks " + RankList(missing) +
+         " have called hvd.join() without submitting it. While ranks have joined, only allreduce works without "
+         "them (they contribute zeros); submit other collectives on every rank before it joins.";
+}
 
 bool Response::Matches(const Request& q) const {
   if (!ok() || q.name != name || q.op != op || q.dtype != dtype || q.out_dtype != out_dtype ||
@@ -137,14 +182,20 @@ bool Response::Matches(const Request& q) const {
     case OpType::kBroadcast:
       return q.root == root && q.shape == shape;
     case OpType::kAllgather:
-      return !q.shape.empty() && q.shape.size() == shape.size() &&
-             std::equal(q.shape.begin() + 1, q.shape.end(), shape.begin() + 1) &&
-             q.rank < static_cast<int32_t>(first_dims.size()) && first_dims[q.rank] == q.shape[0];
+      return SameTrailingShape(q, *this);
+    case OpType::kAlltoall: {
+      // A hit needs this rank's splits unchanged: they are this rank's row.
+      const size_t n = first_dims.size();
+      return SameTrailingShape(q, *this) && q.splits.size() == n &&
+             std::equal(q.splits.begin(), q.splits.end(), splits.begin() + q.rank * n);
+    }
+    case OpType::kJoin:
+      return false;
   }
   return false;
 }
 
-Response MakeResponse(const std::vector<Request>& reqs) {
+Response MakeResponse(const std::vector<Request>& reqs, const std::vector<int>& missing_joined) {
   const Request& r0 = reqs[0];
   Response resp;
   resp.name = r0.name;
@@ -157,9 +208,17 @@ Response MakeResponse(const std::vector<Request>& reqs) {
   resp.prescale = r0.prescale;
   resp.postscale = r0.postscale;
   resp.shape = r0.shape;
-  resp.error = CheckAgreement(reqs);
-  if (resp.ok() && r0.op == OpType::kAllgather) {
+  // Only an allreduce can go without ranks (see [Note: join]); the others are
+  // checked as every rank's, so the splits check counts them all.
+  resp.error = !missing_joined.empty() && r0.op != OpType::kAllreduce
+                   ? MissingJoinedError(r0.name, r0.op, missing_joined)
+                   : CheckAgreement(reqs);
+  if (!resp.ok()) return resp;
+  if (r0.op == OpType::kAllgather || r0.op == OpType::kAlltoall) {
     for (const auto& r : reqs) resp.first_dims.push_back(r.shape.empty() ? 1 : r.shape[0]);
+  }
+  if (r0.op == OpType::kAlltoall) {
+    for (const auto& r : reqs) resp.splits.insert(resp.splits.end(), r.splits.begin(), r.splits.end());
   }
   return resp;
 }

@@ -9,6 +9,11 @@
 
 namespace hvdz {
 
+// join() waits under this name (op kJoin) until every rank has joined. It is never
+// negotiated, but the stall inspector reports it, and the name reads well in
+// messages that list what a rank was waiting for.
+constexpr char kJoinName[] = "hvd.join()";
+
 struct Request {
   std::string name;
   int32_t rank = 0;
@@ -21,6 +26,7 @@ struct Request {
   double prescale = 1.0;
   double postscale = 1.0;
   std::vector<int64_t> shape;
+  std::vector<int64_t> splits;  // alltoall: rows of dim 0 this rank sends to each rank
 
   bool on_cuda() const { return device != kCpuDevice; }
 };
@@ -36,7 +42,9 @@ struct Response {
   double prescale = 1.0;
   double postscale = 1.0;
   std::vector<int64_t> shape;       // rank 0's shape
-  std::vector<int64_t> first_dims;  // allgather: dim 0 of every rank, in rank order
+  std::vector<int64_t> first_dims;  // allgather, alltoall: dim 0 of every rank, in rank order
+  // alltoall: size x size rows, sender-major: splits[q * size + r] rows go from rank q to rank r.
+  std::vector<int64_t> splits;
   std::string error;                // non-empty: every rank holding this tensor fails it
 
   bool ok() const { return error.empty(); }
@@ -45,8 +53,18 @@ struct Response {
   bool Matches(const Request& req) const;
 };
 
-// Ranks' requests for one tensor -> its response (an error response when they disagree).
-Response MakeResponse(const std::vector<Request>& per_rank);
+// Ranks' requests for one tensor -> its response (an error response when they
+// disagree). `reqs`: every rank's request in rank order, or, while ranks have
+// joined, those of the ranks that submitted it; `missing_joined`: the joined ranks
+// that did not, which only an allreduce can do without (they add zeros).
+Response MakeResponse(const std::vector<Request>& reqs, const std::vector<int>& missing_joined = {});
+
+// The error of a ready tensor that joined ranks `missing` did not submit, for
+// every op but allreduce (see [Note: join] in negotiation/join_tracker.h).
+std::string MissingJoinedError(const std::string& name, OpType op, const std::vector<int>& missing);
+
+// "[0, 2]"
+std::string RankList(const std::vector<int>& ranks);
 
 void SerializeRequests(const std::vector<Request>& reqs, std::vector<uint8_t>* out);
 bool ParseRequests(const uint8_t* data, size_t size, std::vector<Request>* out);

@@ -3,6 +3,7 @@
 // both.
 #pragma once
 
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <vector>
@@ -20,12 +21,15 @@ using OutputAllocator = std::function<Status(const std::vector<int64_t>& shape, 
 // Receives the entry's keepalive, so that the framework objects are dropped on a
 // framework thread (Python tensors: with the GIL) instead of the background thread.
 using DoneCallback = std::function<void(const Status&, std::shared_ptr<void> keepalive)>;
+// Alltoall: told, once negotiated, how many rows this rank receives from each rank.
+using SplitsCallback = std::function<void(const std::vector<int64_t>& received)>;
 
 struct TensorEntry {
   Request request;
   TensorDesc input;
   TensorDesc output;                // set by the caller, or by allocate_output
   OutputAllocator allocate_output;  // set when the caller passed no output
+  SplitsCallback received_splits;   // alltoall
   std::shared_ptr<void> ready_event;  // CUDA: recorded on the producer's stream at enqueue
   std::shared_ptr<void> keepalive;    // framework objects that must outlive the collective
   DoneCallback callback;             // set by Runtime::Enqueue: marks the entry's handle done
@@ -49,6 +53,16 @@ class Allocator {
   // using it is queued, without waiting for it to run.
   virtual Status AllocateOnStream(int device, int64_t bytes, void* stream, TensorDesc* out,
                                   std::shared_ptr<void>* holder) = 0;
+  // Zero-filled memory; on CUDA allocated and filled in order on `stream`. This
+  // default serves host memory only.
+  virtual Status AllocateZeros(int device, DataType dtype, const std::vector<int64_t>& shape, void* stream,
+                               TensorDesc* out, std::shared_ptr<void>* holder) {
+    (void)stream;
+    if (device != kCpuDevice) return Status::Error("This allocator cannot zero device memory.");
+    HVDZ_RETURN_IF_ERROR(Allocate(device, dtype, shape, out, holder));
+    if (out->bytes() > 0) std::memset(out->data, 0, out->bytes());
+    return Status::OK();
+  }
 };
 
 }  // namespace hvdz

@@ -8,6 +8,7 @@ size_t DataTypeSize(DataType t) {
   switch (t) {
     case DataType::kUInt8:
     case DataType::kInt8: return 1;
+    case DataType::kInt16:
     case DataType::kFloat16:
     case DataType::kBFloat16: return 2;
     case DataType::kInt32:
@@ -19,8 +20,8 @@ size_t DataTypeSize(DataType t) {
 }
 
 const char* DataTypeName(DataType t) {
-  static const char* kNames[kNumDataTypes] = {"uint8",   "int8",     "int32",   "int64",
-                                              "float16", "bfloat16", "float32", "float64"};
+  static const char* kNames[kNumDataTypes] = {"uint8",   "int8",     "int32",   "int64", "float16",
+                                              "bfloat16", "float32", "float64", "int16"};
   auto i = static_cast<int>(t);
   return i < kNumDataTypes ? kNames[i] : "unknown";
 }
@@ -30,12 +31,15 @@ bool IsFloatingPoint(DataType t) {
          t == DataType::kFloat64;
 }
 
+bool IsReducible(DataType t) { return t != DataType::kInt16; }
+
 const char* ReduceOpName(ReduceOp op) {
   switch (op) {
     case ReduceOp::kSum: return "Sum";
     case ReduceOp::kAverage: return "Average";
     case ReduceOp::kMin: return "Min";
     case ReduceOp::kMax: return "Max";
+    case ReduceOp::kProduct: return "Product";
   }
   return "unknown";
 }
@@ -46,6 +50,8 @@ const char* OpTypeName(OpType op) {
     case OpType::kAllgather: return "allgather";
     case OpType::kReducescatter: return "reducescatter";
     case OpType::kBroadcast: return "broadcast";
+    case OpType::kAlltoall: return "alltoall";
+    case OpType::kJoin: return "join";
   }
   return "unknown";
 }

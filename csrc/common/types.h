@@ -18,17 +18,23 @@ enum class DataType : uint8_t {
   kBFloat16,
   kFloat32,
   kFloat64,
+  kInt16,  // last so that the earlier values keep their numbers
 };
-constexpr int kNumDataTypes = 8;
+constexpr int kNumDataTypes = 9;
 
 size_t DataTypeSize(DataType t);
 const char* DataTypeName(DataType t);
 bool IsFloatingPoint(DataType t);
+// Whether NCCL and Gloo can reduce this dtype: neither has int16 arithmetic, so
+// int16 tensors are only moved (allgather, broadcast, alltoall), as bytes.
+bool IsReducible(DataType t);
 
-enum class ReduceOp : uint8_t { kSum = 0, kAverage, kMin, kMax };
+enum class ReduceOp : uint8_t { kSum = 0, kAverage, kMin, kMax, kProduct };
 const char* ReduceOpName(ReduceOp op);
 
-enum class OpType : uint8_t { kAllreduce = 0, kAllgather, kReducescatter, kBroadcast };
+// kJoin is a request only (this rank called join()); it is never negotiated as a
+// response: see [Note: join] in negotiation/join_tracker.h.
+enum class OpType : uint8_t { kAllreduce = 0, kAllgather, kReducescatter, kBroadcast, kAlltoall, kJoin };
 const char* OpTypeName(OpType op);
 
 // -1 is the CPU; >= 0 is a CUDA device index.

@@ -34,9 +34,11 @@ template <> __device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(fl
 
 template <typename S, typename D>
 __device__ __forceinline__ D Convert(S v, double scale) {
-  if constexpr (std::is_same<S, D>::value && !std::is_floating_point<S>::value &&
-                !std::is_same<S, __half>::value && !std::is_same<S, __nv_bfloat16>::value) {
-    return v;  // integers: identity only
+  if constexpr (std::is_integral<S>::value) {
+    // Integers copy to their own dtype; a scale truncates toward zero, as Horovod's
+    // scaling does (and as the CPU copy does, through int64).
+    if (scale == 1.0) return v;
+    return static_cast<D>(static_cast<long long>(static_cast<double>(v) * scale));
   } else if constexpr (std::is_same<S, double>::value || std::is_same<D, double>::value) {
     double x = std::is_same<S, double>::value ? static_cast<double>(v) : static_cast<double>(ToFloat<S>(v));
     x *= scale;
@@ -125,10 +127,11 @@ cudaError_t LaunchBatchedCopy(const CopyDesc* descs, int n, DataType src, DataTy
                               cudaStream_t st) {
   if (!BatchedCopySupported(src, dst)) return cudaErrorInvalidValue;
   switch (src) {
-    case DataType::kUInt8: return Launch<uint8_t, uint8_t>(descs, n, 1.0, st);
-    case DataType::kInt8: return Launch<int8_t, int8_t>(descs, n, 1.0, st);
-    case DataType::kInt32: return Launch<int32_t, int32_t>(descs, n, 1.0, st);
-    case DataType::kInt64: return Launch<int64_t, int64_t>(descs, n, 1.0, st);
+    case DataType::kUInt8: return Launch<uint8_t, uint8_t>(descs, n, scale, st);
+    case DataType::kInt8: return Launch<int8_t, int8_t>(descs, n, scale, st);
+    case DataType::kInt16: return Launch<int16_t, int16_t>(descs, n, scale, st);
+    case DataType::kInt32: return Launch<int32_t, int32_t>(descs, n, scale, st);
+    case DataType::kInt64: return Launch<int64_t, int64_t>(descs, n, scale, st);
     case DataType::kFloat16: return LaunchFromFloat<__half>(descs, n, dst, scale, st);
     case DataType::kBFloat16: return LaunchFromFloat<__nv_bfloat16>(descs, n, dst, scale, st);
     case DataType::kFloat32: return LaunchFromFloat<float>(descs, n, dst, scale, st);

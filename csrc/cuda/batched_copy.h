@@ -9,8 +9,8 @@
 
 namespace hvdz {
 
-// Supported: any pair of float16/bfloat16/float32/float64, and identity copies of
-// every dtype (integer dtypes take scale == 1 only).
+// Supported: any pair of float16/bfloat16/float32/float64, and copies of every
+// integer dtype to itself (a scale other than 1 truncates toward zero).
 bool BatchedCopySupported(DataType src, DataType dst);
 
 cudaError_t LaunchBatchedCopy(const CopyDesc* descs, int n, DataType src, DataType dst,

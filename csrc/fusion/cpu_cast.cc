@@ -74,7 +74,13 @@ template <typename T> inline double Load(const T& v) { return static_cast<double
 template <> inline double Load<BF16>(const BF16& v) { return BFloat16ToFloat(v.bits); }
 template <> inline double Load<F16>(const F16& v) { return HalfToFloat(v.bits); }
 
-template <typename T> inline void Store(T* p, double v) { *p = static_cast<T>(v); }
+// Integers truncate toward zero, as Horovod's scaling does (static_cast of the
+// double product); through int64 so that a value out of range wraps instead of
+// being undefined.
+template <typename T> inline void Store(T* p, double v) {
+  if constexpr (std::is_integral<T>::value) *p = static_cast<T>(static_cast<int64_t>(v));
+  else *p = static_cast<T>(v);
+}
 template <> inline void Store<BF16>(BF16* p, double v) { p->bits = FloatToBFloat16(static_cast<float>(v)); }
 template <> inline void Store<F16>(F16* p, double v) { p->bits = FloatToHalf(static_cast<float>(v)); }
 
@@ -105,6 +111,7 @@ void CopyFrom(const CopyDesc& d, DataType dst, double scale) {
   switch (dst) {
     case DataType::kUInt8: return CopyOne<S, uint8_t>(d, scale);
     case DataType::kInt8: return CopyOne<S, int8_t>(d, scale);
+    case DataType::kInt16: return CopyOne<S, int16_t>(d, scale);
     case DataType::kInt32: return CopyOne<S, int32_t>(d, scale);
     case DataType::kInt64: return CopyOne<S, int64_t>(d, scale);
     case DataType::kFloat16: return CopyOne<S, F16>(d, scale);
@@ -118,6 +125,7 @@ void CopyAny(const CopyDesc& d, DataType src, DataType dst, double scale) {
   switch (src) {
     case DataType::kUInt8: return CopyFrom<uint8_t>(d, dst, scale);
     case DataType::kInt8: return CopyFrom<int8_t>(d, dst, scale);
+    case DataType::kInt16: return CopyFrom<int16_t>(d, dst, scale);
     case DataType::kInt32: return CopyFrom<int32_t>(d, dst, scale);
     case DataType::kInt64: return CopyFrom<int64_t>(d, dst, scale);
     case DataType::kFloat16: return CopyFrom<F16>(d, dst, scale);

@@ -16,6 +16,9 @@ bool Compatible(const Response& a, const Response& b) {
       return a.root == b.root;
     case OpType::kAllgather:
       return true;
+    case OpType::kAlltoall:  // each runs alone, from its input into its output
+    case OpType::kJoin:
+      return false;
   }
   return false;
 }
@@ -49,6 +52,16 @@ int64_t ScatterRows(int64_t dim0, int size, int rank) {
 
 int64_t ScatterFirstRow(int64_t dim0, int size, int rank) {
   return rank * (dim0 / size) + std::min<int64_t>(rank, dim0 % size);
+}
+
+std::vector<int64_t> SentSplits(const Response& r, int size, int rank) {
+  return std::vector<int64_t>(r.splits.begin() + rank * size, r.splits.begin() + (rank + 1) * size);
+}
+
+std::vector<int64_t> ReceivedSplits(const Response& r, int size, int rank) {
+  std::vector<int64_t> out(size);
+  for (int q = 0; q < size; ++q) out[q] = r.splits[q * size + rank];
+  return out;
 }
 
 std::vector<std::vector<size_t>> PlanFusion(const std::vector<Response>& resps,

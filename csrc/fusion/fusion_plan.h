@@ -24,8 +24,13 @@ constexpr int64_t kFusionAlignBytes = 64;
 int64_t ScatterRows(int64_t dim0, int size, int rank);
 int64_t ScatterFirstRow(int64_t dim0, int size, int rank);
 
+// Alltoall: rows this rank sends to each rank, and receives from each rank (its
+// column of the negotiated splits).
+std::vector<int64_t> SentSplits(const Response& r, int size, int rank);
+std::vector<int64_t> ReceivedSplits(const Response& r, int size, int rank);
+
 // Groups of indices into `resps` (error responses excluded): each group is
-// compatible (op, dtypes, device kind, reduce op, scales, root) and at most
+// compatible (op, dtypes, device kind, reduce op, scales, root; never alltoall) and at most
 // `threshold_bytes` on the wire unless it is a single tensor. Deterministic, so
 // every rank computes the same groups from the same response list.
 std::vector<std::vector<size_t>> PlanFusion(const std::vector<Response>& resps,

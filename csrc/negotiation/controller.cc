@@ -25,9 +25,14 @@ Controller::Controller(ControlPlane& cp, const Params& params, const Logger& log
       cache_(static_cast<uint32_t>(params.cache_capacity)),
       coordinator_(cp.size()),
       stalls_(params.stall_check_seconds, params.stall_shutdown_seconds, cp.size(), log),
+      join_(cp.size()),
       words_((static_cast<size_t>(params.cache_capacity) + 63) / 64) {}
 
 void Controller::Classify(const Request& r) {
+  if (r.op == OpType::kJoin) {
+    joined_ = true;  // announced in every header until every rank has joined
+    return;
+  }
   uint32_t pos = 0;
   switch (cache_.Find(r, &pos)) {
     case ResponseCache::Lookup::kHit:
@@ -76,29 +81,47 @@ void Controller::Invalidate(const std::vector<uint64_t>& invalid_any) {
   });
 }
 
+void Controller::Coverage(const std::vector<Header>& all, const std::vector<bool>& joined,
+                          std::vector<uint64_t>* some, std::vector<uint64_t>* every) const {
+  some->assign(words_, 0);
+  every->assign(words_, ~uint64_t{0});
+  for (size_t r = 0; r < all.size(); ++r) {
+    for (size_t w = 0; w < words_; ++w) {
+      (*some)[w] |= all[r].hits[w];
+      if (!joined[r]) (*every)[w] &= all[r].hits[w];
+    }
+  }
+}
+
+// Ready: set by every rank that has not joined, and by at least one rank.
 void Controller::CollectReady(const std::vector<Header>& all, const std::vector<uint64_t>& invalid_any,
-                              CycleResult* out) {
-  std::vector<uint64_t> ready(words_, ~uint64_t{0});
-  for (const auto& h : all)
-    for (size_t w = 0; w < words_; ++w) ready[w] &= h.hits[w];
-  for (size_t w = 0; w < words_; ++w) ready[w] &= ~invalid_any[w];
+                              const std::vector<bool>& joined, CycleResult* out) {
+  std::vector<uint64_t> some, ready;
+  Coverage(all, joined, &some, &ready);
+  for (size_t w = 0; w < words_; ++w) ready[w] &= some[w] & ~invalid_any[w];
   ForEachBit(ready, [&](uint32_t pos) {
     out->responses.push_back(cache_.Get(pos));
+    std::vector<int> missing;
+    for (size_t r = 0; r < all.size(); ++r)
+      if (joined[r] && !TestBit(all[r].hits, pos)) missing.push_back(static_cast<int>(r));
+    Response& resp = out->responses.back();
+    if (!missing.empty() && resp.op != OpType::kAllreduce) resp.error = MissingJoinedError(resp.name, resp.op, missing);
     cache_.Touch(pos);
     pending_hits_.erase(pos);
   });
 }
 
-void Controller::InspectStalls(const std::vector<Header>& all, const std::vector<uint64_t>& invalid_any) {
+void Controller::InspectStalls(const std::vector<Header>& all, const std::vector<uint64_t>& invalid_any,
+                               const std::vector<bool>& joined) {
   std::vector<WaitingTensor> waiting;
   coordinator_.AppendWaiting(&waiting);
-  std::vector<uint64_t> some(words_, 0), every(words_, ~uint64_t{0});
-  for (const auto& h : all) {
-    for (size_t w = 0; w < words_; ++w) {
-      some[w] |= h.hits[w];
-      every[w] &= h.hits[w];
-    }
-  }
+  std::vector<uint64_t> some, every;
+  Coverage(all, joined, &some, &every);
+  // join() waits on the ranks that have not joined, like a tensor they have not submitted.
+  WaitingTensor join{kJoinName, {}};
+  for (size_t r = 0; r < joined.size(); ++r)
+    if (joined[r]) join.present_ranks.push_back(static_cast<int>(r));
+  if (!join.present_ranks.empty() && join.present_ranks.size() < joined.size()) waiting.push_back(join);
   for (size_t w = 0; w < words_; ++w) some[w] &= ~every[w] & ~invalid_any[w];
   ForEachBit(some, [&](uint32_t pos) {
     if (!cache_.Holds(pos)) return;
@@ -112,7 +135,7 @@ void Controller::InspectStalls(const std::vector<Header>& all, const std::vector
   for (size_t i = before; i < stall_errors_.size(); ++i) coordinator_.Drop(stall_errors_[i].name);
 }
 
-Status Controller::SlowPath(std::vector<Response>* out) {
+Status Controller::SlowPath(const std::vector<bool>& joined, std::vector<Response>* out) {
   ++slow_path_cycles_;
   std::vector<uint8_t> payload;
   SerializeRequests(unsent_, &payload);
@@ -129,6 +152,9 @@ Status Controller::SlowPath(std::vector<Response>* out) {
         return Status::Error("Corrupt request list received by the coordinator.");
       coordinator_.Add(reqs, &resps);
     }
+    // After every rank's list: a rank that joined in this cycle may have sent the
+    // tensor in the same list as its join.
+    coordinator_.Sweep(joined, &resps);
     resps.insert(resps.end(), stall_errors_.begin(), stall_errors_.end());
     stall_errors_.clear();
     SerializeResponses(resps, &reply);
@@ -148,7 +174,9 @@ void Controller::Admit(const std::vector<Response>& fresh) {
       for (auto pos : evicted) Requeue(pos);
       continue;
     }
-    // An error (mismatch or stall) ends this tensor wherever it waits.
+    // An error (mismatch or stall) ends this tensor wherever it waits; a stalled
+    // join() fails, and this rank stops standing in for others.
+    if (resp.name == kJoinName) joined_ = false;
     for (auto it = pending_hits_.begin(); it != pending_hits_.end();) {
       it = it->second.name == resp.name ? pending_hits_.erase(it) : std::next(it);
     }
@@ -163,29 +191,43 @@ Status Controller::RunCycle(const std::vector<Request>& new_requests, bool want_
   uint32_t flags = want_shutdown ? kShutdown : 0;
   if (!unsent_.empty()) flags |= kHasUncached;
   if (cp_.rank() == 0 && !stall_errors_.empty()) flags |= kCoordinatorNews;
+  const bool was_joined = joined_;  // what the others read in this cycle's header
+  if (was_joined) flags |= kJoined;
   std::vector<uint8_t> all_bytes;
   HVDZ_RETURN_IF_ERROR(cp_.Allgather(EncodeHeader(flags), &all_bytes));
 
   std::vector<Header> all;
   uint32_t any_flags = 0;
   std::vector<uint64_t> invalid_any(words_, 0);
+  std::vector<bool> joined(cp_.size(), false);
   for (int r = 0; r < cp_.size(); ++r) {
     all.push_back(DecodeHeader(all_bytes.data() + r * HeaderBytes()));
     any_flags |= all.back().flags;
+    joined[r] = (all.back().flags & kJoined) != 0;
+    if (all.back().flags & kShutdown) out->shutdown_ranks.push_back(r);
     for (size_t w = 0; w < words_; ++w) invalid_any[w] |= all.back().invalid[w];
   }
   out->shutdown = (any_flags & kShutdown) != 0;
+  const JoinTracker::Update join = join_.Observe(joined);
 
   Invalidate(invalid_any);
-  CollectReady(all, invalid_any, out);
-  if (cp_.rank() == 0) InspectStalls(all, invalid_any);
+  CollectReady(all, invalid_any, joined, out);
+  if (cp_.rank() == 0) InspectStalls(all, invalid_any, joined);
 
-  if (any_flags & (kHasUncached | kCoordinatorNews)) {
+  // A new join may complete tensors the coordinator holds: every rank sees it in
+  // the headers, so every rank takes the slow path.
+  if ((any_flags & (kHasUncached | kCoordinatorNews)) || join.grew) {
     out->slow_path = true;
     std::vector<Response> fresh;
-    HVDZ_RETURN_IF_ERROR(SlowPath(&fresh));
+    HVDZ_RETURN_IF_ERROR(SlowPath(joined, &fresh));
     Admit(fresh);
     out->responses.insert(out->responses.end(), fresh.begin(), fresh.end());
+  }
+  out->self_joined = was_joined;
+  if (join.all) {
+    out->join_done = true;
+    out->last_joined = join.last;
+    joined_ = false;
   }
   return Status::OK();
 }

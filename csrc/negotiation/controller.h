@@ -11,6 +11,9 @@
 // A rank whose request does not match the cached response of the same name sets an
 // "invalid" bit instead; every rank then evicts that entry and re-sends any request
 // it had waiting on it through the slow path.
+//
+// Each header also says whether its rank asks to shut down and whether it has
+// joined; see [Note: join] in join_tracker.h.
 #pragma once
 
 #include <cstdint>
@@ -22,6 +25,7 @@
 #include "common/message.h"
 #include "common/params.h"
 #include "negotiation/coordinator.h"
+#include "negotiation/join_tracker.h"
 #include "negotiation/response_cache.h"
 #include "negotiation/stall_inspector.h"
 #include "transport/control_plane.h"
@@ -31,7 +35,13 @@ namespace hvdz {
 struct CycleResult {
   std::vector<Response> responses;
   bool shutdown = false;
+  std::vector<int> shutdown_ranks;  // the ranks that asked to stop in this cycle
   bool slow_path = false;
+  // This rank had joined in this cycle: it stands in with zeros for the allreduces
+  // it lacks. `join_done`: every rank has joined; join() returns `last_joined`.
+  bool self_joined = false;
+  bool join_done = false;
+  int last_joined = -1;
 };
 
 class Controller {
@@ -46,7 +56,7 @@ class Controller {
   uint64_t slow_path_cycles() const { return slow_path_cycles_; }
 
  private:
-  enum Flag : uint32_t { kShutdown = 1, kHasUncached = 2, kCoordinatorNews = 4 };
+  enum Flag : uint32_t { kShutdown = 1, kHasUncached = 2, kCoordinatorNews = 4, kJoined = 8 };
   struct Header {
     uint32_t flags = 0;
     std::vector<uint64_t> hits;
@@ -58,10 +68,14 @@ class Controller {
   Header DecodeHeader(const uint8_t* p) const;
   size_t HeaderBytes() const { return 8 + 16 * words_; }
   void Invalidate(const std::vector<uint64_t>& invalid_any);
+  // Bits set by some rank, and by every rank that has not joined.
+  void Coverage(const std::vector<Header>& all, const std::vector<bool>& joined, std::vector<uint64_t>* some,
+                std::vector<uint64_t>* every) const;
   void CollectReady(const std::vector<Header>& all, const std::vector<uint64_t>& invalid_any,
-                    CycleResult* out);
-  void InspectStalls(const std::vector<Header>& all, const std::vector<uint64_t>& invalid_any);
-  Status SlowPath(std::vector<Response>* out);
+                    const std::vector<bool>& joined, CycleResult* out);
+  void InspectStalls(const std::vector<Header>& all, const std::vector<uint64_t>& invalid_any,
+                     const std::vector<bool>& joined);
+  Status SlowPath(const std::vector<bool>& joined, std::vector<Response>* out);
   void Admit(const std::vector<Response>& fresh);
   void Requeue(uint32_t pos);
 
@@ -70,6 +84,7 @@ class Controller {
   ResponseCache cache_;
   Coordinator coordinator_;
   StallInspector stalls_;
+  JoinTracker join_;
   size_t words_;
   std::vector<Request> unsent_;
   std::map<uint32_t, Request> pending_hits_;  // position -> request waiting on other ranks
@@ -77,6 +92,7 @@ class Controller {
   std::vector<uint64_t> my_invalid_;
   std::vector<Response> stall_errors_;  // rank 0: announced in the next slow path
   uint64_t slow_path_cycles_ = 0;
+  bool joined_ = false;  // this rank has called join() and it has not returned yet
 };
 
 }  // namespace hvdz

@@ -1,6 +1,25 @@
 #include "negotiation/coordinator.h"
 
+#include <algorithm>
+
 namespace hvdz {
+
+bool Coordinator::Complete(const Pending& p, const std::vector<bool>& joined) const {
+  for (int r = 0; r < size_; ++r)
+    if (!p.have[r] && !joined[r]) return false;
+  return p.count > 0;
+}
+
+// Joined ranks that did not submit the tensor are left out: see [Note: join].
+Response Coordinator::Respond(const Pending& p, const std::vector<bool>& joined) const {
+  std::vector<Request> present;
+  std::vector<int> missing;
+  for (int r = 0; r < size_; ++r) {
+    if (p.have[r]) present.push_back(p.by_rank[r]);
+    else if (joined[r]) missing.push_back(r);
+  }
+  return MakeResponse(present, missing);
+}
 
 void Coordinator::Add(const std::vector<Request>& reqs, std::vector<Response>* ready) {
   for (const auto& r : reqs) {
@@ -17,6 +36,17 @@ void Coordinator::Add(const std::vector<Request>& reqs, std::vector<Response>* r
       ready->push_back(MakeResponse(p.by_rank));
       table_.erase(r.name);
     }
+  }
+}
+
+void Coordinator::Sweep(const std::vector<bool>& joined, std::vector<Response>* ready) {
+  std::vector<std::string> done;
+  for (const auto& kv : table_)
+    if (Complete(kv.second, joined)) done.push_back(kv.first);
+  std::sort(done.begin(), done.end());
+  for (const auto& name : done) {
+    ready->push_back(Respond(table_.at(name), joined));
+    table_.erase(name);
   }
 }
 

@@ -20,6 +20,9 @@ class Coordinator {
   // Records requests; appends the responses of tensors that every rank has now
   // submitted, in the order they became complete.
   void Add(const std::vector<Request>& reqs, std::vector<Response>* ready);
+  // Once every rank's requests of a cycle are in: appends, in name order, the
+  // responses of the tensors that wait only on ranks in `joined`.
+  void Sweep(const std::vector<bool>& joined, std::vector<Response>* ready);
   void AppendWaiting(std::vector<WaitingTensor>* out) const;
   void Drop(const std::string& name) { table_.erase(name); }
 
@@ -29,6 +32,9 @@ class Coordinator {
     std::vector<bool> have;
     int count = 0;
   };
+  bool Complete(const Pending& p, const std::vector<bool>& joined) const;
+  Response Respond(const Pending& p, const std::vector<bool>& joined) const;
+
   int size_;
   std::unordered_map<std::string, Pending> table_;
 };

@@ -6,14 +6,6 @@
 namespace hvdz {
 namespace {
 
-std::string RankList(const std::vector<int>& ranks) {
-  std::ostringstream os;
-  os << "[";
-  for (size_t i = 0; i < ranks.size(); ++i) os << (i ? ", " : "") << ranks[i];
-  os << "]";
-  return os.str();
-}
-
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
 }  // namespace

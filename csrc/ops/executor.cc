@@ -11,6 +11,8 @@ Status Issue(Communicator& c, const Program& p, const CollectiveCall& k) {
     case OpType::kAllgather: return c.Allgather(k.send, k.recv, k.count, p.wire);
     case OpType::kReducescatter: return c.ReduceScatter(k.send, k.recv, k.count, p.wire, p.reduce_op);
     case OpType::kBroadcast: return c.Broadcast(k.recv, k.count, p.wire, p.root);
+    case OpType::kAlltoall: return c.Alltoall(k.send, k.recv, k.send_counts, k.recv_counts, p.wire);
+    case OpType::kJoin: break;
   }
   return Status::Error("unknown op");
 }
@@ -59,14 +61,18 @@ Status Executor::AllocateOutputs(DeviceContext& ctx, const std::vector<const Res
                                  std::vector<TensorEntry>& entries) {
   for (size_t i = 0; i < entries.size(); ++i) {
     auto& e = entries[i];
-    if (!e.allocate_output) continue;  // the caller passed the output
     const Response& r = *group[i];
+    if (r.op == OpType::kAlltoall && e.received_splits) e.received_splits(ReceivedSplits(r, size_, rank_));
+    if (!e.allocate_output) continue;  // the caller passed the output
     std::vector<int64_t> shape = r.shape;
     if (r.op == OpType::kAllgather) {
       shape[0] = 0;
       for (auto d : r.first_dims) shape[0] += d;
     } else if (r.op == OpType::kReducescatter) {
       shape[0] = ScatterRows(shape[0], size_, rank_);  // this rank's rows only
+    } else if (r.op == OpType::kAlltoall) {
+      shape[0] = 0;
+      for (auto d : ReceivedSplits(r, size_, rank_)) shape[0] += d;
     }
     HVDZ_RETURN_IF_ERROR(e.allocate_output(shape, ctx.OutputStream(), &e.output));
   }

@@ -60,8 +60,11 @@ Status Planner::AppendFused(DeviceContext& ctx, const Group& g, const std::vecto
       p->calls.push_back({buf, buf, L.total_elems});
       return Status::OK();
     }
+    case OpType::kAlltoall:
+    case OpType::kJoin:
+      break;  // never fused
   }
-  return Status::Error("unknown op");
+  return Status::Error(std::string("no fused plan for ") + OpTypeName(r.op));
 }
 
 }  // namespace hvdz

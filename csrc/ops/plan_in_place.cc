@@ -1,8 +1,9 @@
 // One tensor without a fusion buffer: allreduce and broadcast run in its output,
-// allgather gathers into its output, reducescatter reads its input and writes its
-// output. A copy in only where the input is not already what the call needs, a
+// allgather gathers into its output, reducescatter and alltoall read its input and
+// write its output. A copy in only where the input is not already what the call needs, a
 // postscale as one in-place pass. Used by a lone tensor and by each large tensor
 // of a direct group (see [Note: direct groups]).
+#include "fusion/fusion_plan.h"
 #include "ops/planner.h"
 
 namespace hvdz {
@@ -51,6 +52,17 @@ void Planner::AppendInPlace(const Group& g, const TensorEntry& e, bool gather_in
         p->calls.push_back({e.input.data, out, e.output.numel()});
       }
       p->elems += e.output.numel() * size_;
+      break;
+    case OpType::kAlltoall: {
+      const int64_t row = RowElems(r.shape);
+      CollectiveCall k{e.input.data, out, 0};
+      for (auto rows : SentSplits(r, size_, rank_)) k.send_counts.push_back(rows * row);
+      for (auto rows : ReceivedSplits(r, size_, rank_)) k.recv_counts.push_back(rows * row);
+      for (auto rows : r.splits) p->elems += rows * row;  // every rank's part, as for the other ops
+      p->calls.push_back(std::move(k));
+      break;
+    }
+    case OpType::kJoin:
       break;
   }
   // Plan() gave the copies out a scale other than 1 only for a reduction's postscale.

@@ -40,7 +40,7 @@ Status Planner::Plan(DeviceContext& ctx, const std::vector<const Response*>& gro
   p->in = {{}, r.dtype, r.out_dtype, reduces ? r.prescale : 1.0};
   p->out = {{}, r.out_dtype, r.out_dtype, reduces ? postscale : 1.0};
   if (UseDirect(ctx, g)) return PlanDirect(ctx, g, p);
-  if (LoneInPlace(g)) {
+  if (LoneInPlace(g) || r.op == OpType::kAlltoall) {
     AppendInPlace(g, entries.front(), /*gather_in_place=*/true, /*scaled_send=*/nullptr, p);
     return Status::OK();
   }

@@ -27,11 +27,13 @@ struct CopyBatch {
 
 // One call into the communicator. count: per rank for allgather (sent) and
 // reducescatter (received), the whole tensor otherwise; allreduce and broadcast
-// work in `recv`.
+// work in `recv`. Alltoall: elements to and from each rank instead.
 struct CollectiveCall {
   const void* send;
   void* recv;
   int64_t count;
+  std::vector<int64_t> send_counts = {};
+  std::vector<int64_t> recv_counts = {};
 };
 
 struct Program {

@@ -76,10 +76,12 @@ Status Runtime::Enqueue(std::vector<TensorEntry> entries, void* cuda_stream, std
     if (e.request.on_cuda()) e.ready_event = ready;
     e.callback = [this, h](const Status& s, std::shared_ptr<void> keep) { handles_.MarkDone(h, s, std::move(keep)); };
   }
+  // A stopped runtime refuses everything: say which tensor was refused.
+  const std::string first = entries.empty() ? std::string() : entries.front().request.name;
   Status s = queue_.Add(std::move(entries));
   if (!s.ok()) {
     for (auto h : hs) handles_.Release(h);
-    return s;
+    return s.type() == StatusType::kAborted ? Status::Aborted("Cannot submit '" + first + "': " + s.reason()) : s;
   }
   *handles = std::move(hs);
   return Status::OK();
@@ -100,15 +102,21 @@ Status Runtime::ContextFor(const TensorEntry& e, DeviceContext** ctx) {
   return Status::OK();
 }
 
-void Runtime::ExecuteGroup(const std::vector<const Response*>& group, Clock::time_point negotiated) {
+void Runtime::ExecuteGroup(const std::vector<const Response*>& group, bool joined, Clock::time_point negotiated) {
   std::vector<TensorEntry> entries;
   std::vector<const Response*> mine;
   auto now = Clock::now();
   for (const Response* r : group) {
     TensorEntry e;
     if (!queue_.Take(r->name, &e)) {
-      HVDZ_LOG(logger_, kError) << "Response for '" << r->name << "', which this rank never submitted.";
-      continue;
+      // A joined rank has no entry for the others' allreduces: it adds zeros.
+      Status s = joined && r->op == OpType::kAllreduce
+                     ? StandIn(*r, &e)
+                     : Status::Error("Response for '" + r->name + "', which this rank never submitted.");
+      if (!s.ok()) {
+        HVDZ_LOG(logger_, kError) << s.reason();
+        continue;
+      }
     }
     if (timeline_.enabled()) {
       // NEGOTIATE: until every rank had it; QUEUE: behind earlier groups of this cycle.
@@ -128,7 +136,8 @@ void Runtime::ExecuteGroup(const std::vector<const Response*>& group, Clock::tim
   executor_.Execute(*ctx, mine, std::move(entries));
 }
 
-void Runtime::Execute(const std::vector<Response>& responses, Clock::time_point negotiated) {
+void Runtime::Execute(const CycleResult& result, Clock::time_point negotiated) {
+  const std::vector<Response>& responses = result.responses;
   for (const auto& r : responses) {
     if (r.ok()) continue;
     TensorEntry e;
@@ -137,8 +146,21 @@ void Runtime::Execute(const std::vector<Response>& responses, Clock::time_point 
   for (const auto& idx : PlanFusion(responses, params_.fusion_threshold_bytes)) {
     std::vector<const Response*> group;
     for (auto i : idx) group.push_back(&responses[i]);
-    ExecuteGroup(group, negotiated);
+    ExecuteGroup(group, result.self_joined, negotiated);
   }
+  if (result.join_done) CompleteJoin(result.last_joined);
+}
+
+Status Runtime::PeersLeft(const std::vector<int>& ranks) {
+  const std::string who = ranks.size() == 1 ? "rank " + std::to_string(ranks[0]) : "ranks " + RankList(ranks);
+  std::string waiting;
+  for (const auto& name : queue_.PendingNames()) waiting += (waiting.empty() ? "'" : ", '") + name + "'";
+  return Status::Aborted(
+      "horovod_zero stopped: " + who + " shut down (called hvd.shutdown() or exited) while this rank " +
+      (waiting.empty() ? std::string("had nothing waiting on it") : "was waiting on it for " + waiting) +
+      ". Every rank must submit the same collectives. If ranks have different numbers of batches, call "
+      "hvd.join() on each rank once it runs out of data: a joined rank takes part in the others' allreduces "
+      "with zeros until every rank has joined.");
 }
 
 void Runtime::Loop() {
@@ -157,8 +179,11 @@ void Runtime::Loop() {
                                 "): " + s.reason());
       break;
     }
-    Execute(result.responses, Clock::now());
-    if (result.shutdown) break;
+    Execute(result, Clock::now());
+    if (result.shutdown) {
+      if (!shutdown_requested_) stopped = PeersLeft(result.shutdown_ranks);
+      break;
+    }
     // Idle ranks cycle every HOROVOD_CYCLE_TIME. New work starts a cycle at once,
     // and a rank whose tensors wait on other ranks cycles again within 50 us:
     // those ranks are about to meet it in the next exchange, and sleeping out the

@@ -44,6 +44,12 @@ class Runtime {
   // All entries or none are accepted; *handles gets one handle per entry.
   // `cuda_stream` is the producer stream of CUDA inputs (ignored for CPU ones).
   Status Enqueue(std::vector<TensorEntry> entries, void* cuda_stream, std::vector<int64_t>* handles);
+  // join(): this rank has no more data. The handle completes once every rank has
+  // joined, after `last_joined` (an int32 scalar on the host) was set to the rank
+  // that joined last; meanwhile this rank takes part in the others' allreduces with
+  // zeros, made on `cuda_device` (>= 0) for CUDA ones. See [Note: join].
+  Status EnqueueJoin(int cuda_device, const TensorDesc& last_joined, std::shared_ptr<void> keepalive,
+                     int64_t* handle);
   HandleTable& handles() { return handles_; }
   // Asks every rank to stop and waits for the background thread.
   void Shutdown();
@@ -58,8 +64,14 @@ class Runtime {
 
  private:
   void Loop();
-  void Execute(const std::vector<Response>& responses, Clock::time_point negotiated);
-  void ExecuteGroup(const std::vector<const Response*>& group, Clock::time_point negotiated);
+  void Execute(const CycleResult& result, Clock::time_point negotiated);
+  void ExecuteGroup(const std::vector<const Response*>& group, bool joined, Clock::time_point negotiated);
+  // runtime_join.cc: this joined rank's zeros for an allreduce it did not submit,
+  // and join()'s return.
+  Status StandIn(const Response& r, TensorEntry* e);
+  void CompleteJoin(int last_joined);
+  // Why the loop stopped when other ranks asked it to.
+  Status PeersLeft(const std::vector<int>& ranks);
   Status ContextFor(const TensorEntry& e, DeviceContext** ctx);
   Status CheckDevice(const TensorEntry& e);
 
@@ -79,6 +91,7 @@ class Runtime {
   CpuContext cpu_ctx_;
   std::unordered_map<int, std::unique_ptr<DeviceContext>> cuda_ctx_;
   std::atomic<int> cuda_device_{-2};  // the one CUDA device this process uses; -2: none yet
+  std::atomic<int> join_device_{kCpuDevice};  // join()'s device for CUDA zeros
   std::atomic<bool> shutdown_requested_{false};
   std::thread thread_;
 };

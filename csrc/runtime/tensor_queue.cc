@@ -1,5 +1,6 @@
 #include "runtime/tensor_queue.h"
 
+#include <algorithm>
 #include <unordered_set>
 
 namespace hvdz {
@@ -56,6 +57,16 @@ bool TensorQueue::Take(const std::string& name, TensorEntry* out) {
   *out = std::move(it->second);
   table_.erase(it);
   return true;
+}
+
+std::vector<std::string> TensorQueue::PendingNames() {
+  std::vector<std::string> names;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (const auto& kv : table_) names.push_back(kv.first);
+  }
+  std::sort(names.begin(), names.end());
+  return names;
 }
 
 void TensorQueue::Close(const Status& s) {

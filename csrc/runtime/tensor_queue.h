@@ -19,6 +19,8 @@ class TensorQueue {
   std::vector<Request> PopNewRequests();
   // Removes and returns the entry named `name`; false if this rank has none.
   bool Take(const std::string& name, TensorEntry* out);
+  // The names of the entries waiting, sorted.
+  std::vector<std::string> PendingNames();
   // Fails every entry with `s` and refuses later adds with it.
   void Close(const Status& s);
   // Sleeps until new requests arrive, Wake() is called, or `deadline` passes.

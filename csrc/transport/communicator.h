@@ -3,13 +3,24 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "common/status.h"
 #include "common/types.h"
 
 namespace hvdz {
 
-// Only Sum, Min and Max reach a communicator: Average is Sum with a postscale.
+// What an op that only moves data (allgather, broadcast, alltoall) sends for dtype
+// `t`: neither NCCL nor Gloo knows int16, so it travels as twice as many bytes.
+struct MovedAs {
+  DataType dtype;
+  int64_t per_element;
+};
+inline MovedAs MoveAs(DataType t) {
+  return t == DataType::kInt16 ? MovedAs{DataType::kUInt8, 2} : MovedAs{t, 1};
+}
+
+// Only Sum, Min, Max and Product reach a communicator: Average is Sum with a postscale.
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -20,6 +31,10 @@ class Communicator {
   virtual Status ReduceScatter(const void* in, void* out, int64_t count, DataType dtype,
                                ReduceOp op) = 0;
   virtual Status Broadcast(void* buf, int64_t count, DataType dtype, int root) = 0;
+  // Both buffers rank-major: `send_counts[q]` elements of `in` go to rank q, and
+  // `recv_counts[q]` elements from rank q land in `out`. `in` and `out` do not overlap.
+  virtual Status Alltoall(const void* in, void* out, const std::vector<int64_t>& send_counts,
+                          const std::vector<int64_t>& recv_counts, DataType dtype) = 0;
 
   // A communicator that runs the calls issued between GroupStart and GroupEnd
   // as one launch (NCCL) lets the executor hand it large tensors in place

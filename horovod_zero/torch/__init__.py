@@ -38,6 +38,7 @@ from horovod_zero.torch.mpi_ops import (
     HorovodInternalError,
     Max,
     Min,
+    Product,
     Sum,
     allgather,
     allgather_async,
@@ -65,5 +66,7 @@ from horovod_zero.torch.mpi_ops import (
 )
 from horovod_zero.torch.optimizer import DistributedOptimizer
 from horovod_zero.torch.sparse import sparse_allreduce_async
+from horovod_zero.torch.alltoall import alltoall, alltoall_async
+from horovod_zero.torch.join import join
 from horovod_zero.torch import zero
 from horovod_zero.torch.zero import DistributedZeroOptimizer

@@ -17,6 +17,7 @@ Sum = _core.SUM
 Average = _core.AVERAGE
 Min = _core.MIN
 Max = _core.MAX
+Product = _core.PRODUCT
 # Horovod's name, so that scripts that mention it import; not an op of our core,
 # and every op that is given it refuses it (_resolve_op).
 Adasum = 100
@@ -44,8 +45,8 @@ def _resolve_op(op, average):
     op = Average if op is None else op
     if op == Adasum:
         raise NotImplementedError(_ADASUM_REFUSED)
-    if op not in (Sum, Average, Min, Max):
-        raise ValueError(f"op={op!r} is not one of hvd.Sum, hvd.Average, hvd.Min, hvd.Max.")
+    if op not in (Sum, Average, Min, Max, Product):
+        raise ValueError(f"op={op!r} is not one of hvd.Sum, hvd.Average, hvd.Min, hvd.Max, hvd.Product.")
     return op
 
 

@@ -5,78 +5,19 @@
 #include <algorithm>
 #include <functional>
 
-#include "in_memory_control_plane.h"
-#include "negotiation/controller.h"
+#include "negotiation_harness.h"
 
 namespace hvdz {
 namespace {
 
+using testing::ExpectIdentical;
+using testing::Find;
 using testing::Hub;
 using testing::InMemoryControlPlane;
+using testing::Names;
+using testing::Req;
+using testing::RunRanks;
 using testing::Spawn;
-
-Request Req(const std::string& name, std::vector<int64_t> shape, OpType op = OpType::kAllreduce,
-            DataType dt = DataType::kFloat32) {
-  Request r;
-  r.name = name;
-  r.shape = std::move(shape);
-  r.op = op;
-  r.dtype = r.out_dtype = dt;
-  return r;
-}
-
-struct Trace {
-  std::vector<std::vector<Response>> cycles;
-  std::vector<bool> slow;
-  size_t cache_entries = 0;
-};
-
-using Script = std::function<std::vector<Request>(int rank, int cycle)>;
-
-std::vector<Trace> RunRanks(int size, const Params& p, int cycles, const Script& script, int sleep_ms = 0) {
-  Hub hub(size);
-  std::vector<Trace> out(size);
-  Spawn(size, [&](int rank) {
-    InMemoryControlPlane cp(hub, rank);
-    Logger log(LogLevel::kFatal, rank);
-    Controller c(cp, p, log);
-    for (int k = 0; k < cycles; ++k) {
-      auto reqs = script(rank, k);
-      for (auto& r : reqs) r.rank = rank;
-      CycleResult res;
-      Status s = c.RunCycle(reqs, false, &res);
-      EXPECT_TRUE(s.ok()) << s.reason();
-      out[rank].cycles.push_back(res.responses);
-      out[rank].slow.push_back(res.slow_path);
-      if (sleep_ms) std::this_thread::sleep_for(std::chrono::milliseconds(sleep_ms));
-    }
-    out[rank].cache_entries = c.cache().num_entries();
-  });
-  return out;
-}
-
-std::vector<std::string> Names(const std::vector<Response>& rs) {
-  std::vector<std::string> n;
-  for (const auto& r : rs) n.push_back(r.name);
-  return n;
-}
-
-// Every rank must see the same names, in the same order, in every cycle.
-void ExpectIdentical(const std::vector<Trace>& t) {
-  for (size_t r = 1; r < t.size(); ++r)
-    for (size_t k = 0; k < t[0].cycles.size(); ++k)
-      EXPECT_EQ(Names(t[r].cycles[k]), Names(t[0].cycles[k])) << "rank " << r << " cycle " << k;
-}
-
-const Response* Find(const Trace& t, const std::string& name, int* cycle = nullptr) {
-  for (size_t k = 0; k < t.cycles.size(); ++k)
-    for (const auto& r : t.cycles[k])
-      if (r.name == name) {
-        if (cycle) *cycle = static_cast<int>(k);
-        return &r;
-      }
-  return nullptr;
-}
 
 TEST(Controller, AgreeingRanksGetIdenticalResponsesInTheSameOrder) {
   Params p;
@@ -254,6 +195,7 @@ TEST(Controller, ShutdownRequestedByAnyRankReachesAll) {
   Params p;
   Hub hub(3);
   std::vector<int> stopped(3, 0);
+  std::vector<std::vector<int>> who(3);
   Spawn(3, [&](int rank) {
     InMemoryControlPlane cp(hub, rank);
     Logger log(LogLevel::kFatal, rank);
@@ -261,8 +203,10 @@ TEST(Controller, ShutdownRequestedByAnyRankReachesAll) {
     CycleResult res;
     EXPECT_TRUE(c.RunCycle({}, rank == 2, &res).ok());
     stopped[rank] = res.shutdown;
+    who[rank] = res.shutdown_ranks;
   });
   EXPECT_EQ(stopped, (std::vector<int>{1, 1, 1}));
+  for (const auto& w : who) EXPECT_EQ(w, (std::vector<int>{2})) << "every rank learns which rank left";
 }
 
 }  // namespace

@@ -29,6 +29,11 @@ class LocalCommunicator : public Communicator {
     return Status::OK();
   }
   Status Broadcast(void*, int64_t, DataType, int) override { return Status::OK(); }
+  Status Alltoall(const void* in, void* out, const std::vector<int64_t>& send, const std::vector<int64_t>&,
+                  DataType t) override {
+    if (in != out) std::memmove(out, in, send[0] * DataTypeSize(t));
+    return Status::OK();
+  }
 };
 
 struct Fixture {

@@ -17,6 +17,7 @@ double LoadElement(const void* base, DataType t, int64_t i) {
   switch (t) {
     case DataType::kUInt8: return static_cast<const uint8_t*>(base)[i];
     case DataType::kInt8: return static_cast<const int8_t*>(base)[i];
+    case DataType::kInt16: return static_cast<const int16_t*>(base)[i];
     case DataType::kInt32: return static_cast<const int32_t*>(base)[i];
     case DataType::kInt64: return static_cast<double>(static_cast<const int64_t*>(base)[i]);
     case DataType::kFloat16: return HalfToFloat(static_cast<const uint16_t*>(base)[i]);
@@ -31,6 +32,7 @@ void StoreElement(void* base, DataType t, int64_t i, double v) {
   switch (t) {
     case DataType::kUInt8: static_cast<uint8_t*>(base)[i] = static_cast<uint8_t>(v); return;
     case DataType::kInt8: static_cast<int8_t*>(base)[i] = static_cast<int8_t>(v); return;
+    case DataType::kInt16: static_cast<int16_t*>(base)[i] = static_cast<int16_t>(v); return;
     case DataType::kInt32: static_cast<int32_t*>(base)[i] = static_cast<int32_t>(v); return;
     case DataType::kInt64: static_cast<int64_t*>(base)[i] = static_cast<int64_t>(v); return;
     case DataType::kFloat16: static_cast<uint16_t*>(base)[i] = FloatToHalf(static_cast<float>(v)); return;
@@ -72,6 +74,7 @@ std::vector<double> CollectiveHub::Result(int rank, const PostedCall& mine) cons
     switch (mine.reduce_op) {
       case ReduceOp::kMin: return std::min(a, b);
       case ReduceOp::kMax: return std::max(a, b);
+      case ReduceOp::kProduct: return a * b;
       default: return a + b;
     }
   };
@@ -97,6 +100,22 @@ std::vector<double> CollectiveHub::Result(int rank, const PostedCall& mine) cons
     case OpType::kBroadcast:
       out.resize(n);
       for (int64_t j = 0; j < n; ++j) out[j] = LoadElement(posted_[mine.root].recv, mine.dtype, j);
+      break;
+    case OpType::kAlltoall:
+      // Rank q's part for this rank follows its parts for the ranks before.
+      for (int q = 0; q < size_; ++q) {
+        const PostedCall& p = posted_[q];
+        if (p.send_counts.size() != static_cast<size_t>(size_) || p.send_counts[rank] != mine.recv_counts[q]) {
+          ADD_FAILURE() << "rank " << q << " sends rank " << rank << " a part its receive counts do not expect";
+          return std::vector<double>(out.size(), NAN);
+        }
+        int64_t first = 0;
+        for (int k = 0; k < rank; ++k) first += p.send_counts[k];
+        for (int64_t j = 0; j < p.send_counts[rank]; ++j) out.push_back(LoadElement(p.send, mine.dtype, first + j));
+      }
+      break;
+    case OpType::kJoin:
+      ADD_FAILURE() << "join is never a collective";
       break;
   }
   return out;
@@ -160,6 +179,11 @@ Status ThreadCommunicator::ReduceScatter(const void* in, void* out, int64_t coun
 
 Status ThreadCommunicator::Broadcast(void* buf, int64_t count, DataType dtype, int root) {
   return Post({OpType::kBroadcast, buf, buf, count, dtype, ReduceOp::kSum, root});
+}
+
+Status ThreadCommunicator::Alltoall(const void* in, void* out, const std::vector<int64_t>& send_counts,
+                                    const std::vector<int64_t>& recv_counts, DataType dtype) {
+  return Post({OpType::kAlltoall, in, out, 0, dtype, ReduceOp::kSum, 0, send_counts, recv_counts});
 }
 
 }  // namespace testing

@@ -23,6 +23,8 @@ struct PostedCall {
   DataType dtype;
   ReduceOp reduce_op;
   int root;
+  std::vector<int64_t> send_counts = {};  // alltoall
+  std::vector<int64_t> recv_counts = {};
 };
 
 // Where the same collective of every rank meets.
@@ -59,6 +61,8 @@ class ThreadCommunicator : public Communicator {
   Status Allgather(const void* in, void* out, int64_t count, DataType dtype) override;
   Status ReduceScatter(const void* in, void* out, int64_t count, DataType dtype, ReduceOp op) override;
   Status Broadcast(void* buf, int64_t count, DataType dtype, int root) override;
+  Status Alltoall(const void* in, void* out, const std::vector<int64_t>& send_counts,
+                  const std::vector<int64_t>& recv_counts, DataType dtype) override;
   bool SupportsGroups() const override { return groups_; }
   Status GroupStart() override;
   Status GroupEnd() override;

@@ -40,8 +40,7 @@ def _bad_input():
         "dtype": lambda: hvd.allreduce(torch.ones(2, dtype=torch.complex64), name="c"),
         "bool": lambda: hvd.allgather(torch.ones(2, dtype=torch.bool), name="b"),
         "noncontiguous": lambda: hvd.allreduce(torch.ones(4, 4).t(), name="nc"),
-        "int_average": lambda: hvd.allreduce(torch.ones(2, dtype=torch.int32), op=hvd.Average, name="ia"),
-        "int_scale": lambda: hvd.allreduce(torch.ones(2, dtype=torch.int64), op=hvd.Sum, prescale_factor=2.0, name="is"),
+        "int16_reduce": lambda: hvd.allreduce(torch.ones(2, dtype=torch.int16), name="i16"),
         "scalar_gather": lambda: hvd.allgather(torch.tensor(1.0), name="sg"),
         "bad_root": lambda: hvd.broadcast(torch.ones(2), root_rank=hvd.size(), name="br"),
         "bad_op": lambda: hvd.allreduce(torch.ones(2), op=17, name="bo"),
@@ -75,7 +74,7 @@ def test_bad_input_is_refused_at_the_call_with_what_to_do():
     per_rank = pool(2).run(_bad_input)
     expect = {
         "dtype": "supported: float32", "bool": "supported: float32", "noncontiguous": "contiguous()",
-        "int_average": "op=Sum", "int_scale": "floating-point", "scalar_gather": "at least one dimension",
+        "int16_reduce": "tensor.int()", "scalar_gather": "at least one dimension",
         "bad_root": "not a rank", "bad_op": "hvd.Sum", "names_length": "one name per tensor",
         "not_a_list": "list of tensors", "int_cast": "floating-point", "twice": "already in flight",
     }

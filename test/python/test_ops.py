@@ -15,8 +15,8 @@ from horovod_zero.torch import functions
 from refs import DTYPES, FLOATS, assert_close as _assert_close, dtype, make, reduce_ref, scatter_slice
 
 OPS = ["Sum", "Average", "Min", "Max"]
-# Every (dtype, op) a reduction accepts: Average is refused for integer tensors
-# (test_errors checks the refusal), so those pairs are not generated at all.
+# Every (dtype, op) whose reference is reduce_ref: integer Average truncates
+# sum / size as Horovod does, which test_int_ops.py checks against its own reference.
 REDUCTIONS = [pytest.param(d, o, id=f"{o}-{d}") for o in OPS for d in DTYPES
               if o != "Average" or dtype(d).is_floating_point]
 

@@ -18,6 +18,7 @@ at::ScalarType ToScalar(DataType t) {
     case DataType::kBFloat16: return at::kBFloat16;
     case DataType::kFloat32: return at::kFloat;
     case DataType::kFloat64: return at::kDouble;
+    case DataType::kInt16: return at::kShort;
   }
   return at::kFloat;
 }
@@ -26,12 +27,19 @@ c10d::ReduceOp ToC10d(ReduceOp op) {
   switch (op) {
     case ReduceOp::kMin: return c10d::ReduceOp(c10d::ReduceOp::MIN);
     case ReduceOp::kMax: return c10d::ReduceOp(c10d::ReduceOp::MAX);
+    case ReduceOp::kProduct: return c10d::ReduceOp(c10d::ReduceOp::PRODUCT);
     default: return c10d::ReduceOp(c10d::ReduceOp::SUM);
   }
 }
 
 at::Tensor Wrap(const void* p, int64_t count, DataType t) {
   return at::from_blob(const_cast<void*>(p), {count}, at::TensorOptions().dtype(ToScalar(t)));
+}
+
+// For ops that only move data: int16, which this Gloo cannot handle, as bytes.
+at::Tensor WrapMoved(const void* p, int64_t count, DataType t) {
+  const MovedAs m = MoveAs(t);
+  return Wrap(p, count * m.per_element, m.dtype);
 }
 
 // Runs one Gloo call to completion; Gloo's exceptions (timeouts, closed
@@ -127,12 +135,12 @@ class GlooCommunicator : public Communicator, Base {
 
   Status Allgather(const void* in, void* out, int64_t count, DataType dtype) override {
     const int64_t bytes = count * static_cast<int64_t>(DataTypeSize(dtype));
-    at::Tensor src = Wrap(in, count, dtype);
+    at::Tensor src = WrapMoved(in, count, dtype);
     // Gloo copies the input into its slot itself; give it a separate input when they alias.
     if (static_cast<const char*>(in) >= static_cast<const char*>(out) &&
         static_cast<const char*>(in) < static_cast<const char*>(out) + bytes * b_->getSize())
       src = src.clone();
-    at::Tensor dst = Wrap(out, count * b_->getSize(), dtype);
+    at::Tensor dst = WrapMoved(out, count * b_->getSize(), dtype);
     c10d::AllgatherOptions o;
     o.timeout = timeout_;
     return Run("allgather", timeout_, [&] { return b_->_allgather_base(dst, src, o); });
@@ -148,11 +156,25 @@ class GlooCommunicator : public Communicator, Base {
   }
 
   Status Broadcast(void* buf, int64_t count, DataType dtype, int root) override {
-    std::vector<at::Tensor> ts{Wrap(buf, count, dtype)};
+    std::vector<at::Tensor> ts{WrapMoved(buf, count, dtype)};
     c10d::BroadcastOptions o;
     o.rootRank = root;
     o.timeout = timeout_;
     return Run("broadcast", timeout_, [&] { return b_->broadcast(ts, o); });
+  }
+
+  Status Alltoall(const void* in, void* out, const std::vector<int64_t>& send_counts,
+                  const std::vector<int64_t>& recv_counts, DataType dtype) override {
+    const int64_t k = MoveAs(dtype).per_element;
+    std::vector<int64_t> send(send_counts), recv(recv_counts);
+    int64_t n_send = 0, n_recv = 0;
+    for (auto& c : send) n_send += (c *= k);
+    for (auto& c : recv) n_recv += (c *= k);
+    at::Tensor src = WrapMoved(in, n_send / k, dtype);
+    at::Tensor dst = WrapMoved(out, n_recv / k, dtype);
+    c10d::AllToAllOptions o;
+    o.timeout = timeout_;
+    return Run("alltoall", timeout_, [&] { return b_->alltoall_base(dst, src, recv, send, o); });
   }
 };
 

@@ -19,6 +19,7 @@ ncclDataType_t ToNccl(DataType t) {
     case DataType::kBFloat16: return ncclBfloat16;
     case DataType::kFloat32: return ncclFloat32;
     case DataType::kFloat64: return ncclFloat64;
+    case DataType::kInt16: break;  // no NCCL type: moved as bytes (MoveAs), never reduced
   }
   return ncclFloat32;
 }
@@ -27,6 +28,7 @@ ncclRedOp_t ToNccl(ReduceOp op) {
   switch (op) {
     case ReduceOp::kMin: return ncclMin;
     case ReduceOp::kMax: return ncclMax;
+    case ReduceOp::kProduct: return ncclProd;
     default: return ncclSum;
   }
 }
@@ -88,7 +90,8 @@ Status NcclCommunicator::Allreduce(void* buf, int64_t count, DataType dtype, Red
 }
 
 Status NcclCommunicator::Allgather(const void* in, void* out, int64_t count, DataType dtype) {
-  return NcclStatus(ncclAllGather(in, out, count, ToNccl(dtype), comm_, stream_), "ncclAllGather");
+  const MovedAs m = MoveAs(dtype);
+  return NcclStatus(ncclAllGather(in, out, count * m.per_element, ToNccl(m.dtype), comm_, stream_), "ncclAllGather");
 }
 
 Status NcclCommunicator::ReduceScatter(const void* in, void* out, int64_t count, DataType dtype, ReduceOp op) {
@@ -97,7 +100,39 @@ Status NcclCommunicator::ReduceScatter(const void* in, void* out, int64_t count,
 }
 
 Status NcclCommunicator::Broadcast(void* buf, int64_t count, DataType dtype, int root) {
-  return NcclStatus(ncclBroadcast(buf, buf, count, ToNccl(dtype), root, comm_, stream_), "ncclBroadcast");
+  const MovedAs m = MoveAs(dtype);
+  return NcclStatus(ncclBroadcast(buf, buf, count * m.per_element, ToNccl(m.dtype), root, comm_, stream_),
+                    "ncclBroadcast");
+}
+
+// One send and one receive per peer inside one group, which NCCL runs as one
+// launch. Empty parts are skipped on both sides: rank q's send count to rank r is
+// rank r's receive count from q, so the two ends always agree.
+Status NcclCommunicator::Alltoall(const void* in, void* out, const std::vector<int64_t>& send_counts,
+                                  const std::vector<int64_t>& recv_counts, DataType dtype) {
+  if (send_counts.size() != recv_counts.size()) return Status::Error("alltoall: send and receive counts differ in length");
+  const MovedAs m = MoveAs(dtype);
+  const ncclDataType_t t = ToNccl(m.dtype);
+  const int64_t elem = static_cast<int64_t>(DataTypeSize(dtype));
+  HVDZ_RETURN_IF_ERROR(GroupStart());
+  Status s;
+  int64_t sent = 0, received = 0;
+  for (size_t q = 0; q < send_counts.size() && s.ok(); ++q) {
+    const int peer = static_cast<int>(q);
+    if (send_counts[q] > 0) {
+      s = NcclStatus(ncclSend(static_cast<const char*>(in) + sent * elem, send_counts[q] * m.per_element, t, peer,
+                              comm_, stream_), "ncclSend");
+    }
+    if (s.ok() && recv_counts[q] > 0) {
+      s = NcclStatus(ncclRecv(static_cast<char*>(out) + received * elem, recv_counts[q] * m.per_element, t, peer,
+                              comm_, stream_), "ncclRecv");
+    }
+    sent += send_counts[q];
+    received += recv_counts[q];
+  }
+  Status end = GroupEnd();  // always close the group, even after a failed call
+  HVDZ_RETURN_IF_ERROR(s);
+  return end;
 }
 
 Status NcclCommunicator::GroupStart() { return NcclStatus(ncclGroupStart(), "ncclGroupStart"); }
