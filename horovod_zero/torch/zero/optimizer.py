@@ -36,12 +36,27 @@ from horovod_zero.torch.zero.init_state import created_state, holds_constructor_
 from horovod_zero.torch.zero.loss_scale import LossScaler
 from horovod_zero.torch.zero.names import check_in_model, check_names, name_map
 from horovod_zero.torch.zero.reduce import GradReducer
+from horovod_zero.torch.zero.stage3 import Stage3
 from horovod_zero.torch.zero.storage import ShardedStorage
+from horovod_zero.torch.zero.units import find_units
+from horovod_zero.torch.zero.weak import weak_hook
 
 
 def _remove_all(handles):
     for h in handles:
         h.remove()
+
+
+def _check_stage_args(stage, model, units, overlap_param_gather):
+    if stage not in (1, 2, 3):
+        raise ValueError(f"stage={stage!r}: DistributedZeroOptimizer supports ZeRO stages 1, 2 and 3.")
+    if stage == 3 and model is None:
+        raise ValueError("stage=3 needs model=: the model's forward hooks gather each unit's parameters.")
+    if stage == 3 and overlap_param_gather:
+        raise ValueError("overlap_param_gather=True is for stages 1 and 2; stage 3 always gathers ahead "
+                         "(HOROVOD_ZERO_PREFETCH units, default 1).")
+    if stage != 3 and units is not None:
+        raise ValueError(f"units= is for stage=3; at stage={stage} every parameter is always whole.")
 
 
 def _one_device(params, default):
@@ -72,14 +87,14 @@ class DistributedZeroOptimizer:
 
     def __init__(self, optimizer, model=None, named_parameters=None, stage=2, param_dtype=None,
                  reduce_dtype=None, backward_passes_per_step=1, loss_scaler=None, overlap_param_gather=False,
-                 cast_forward_inputs=True):
-        if stage not in (1, 2):
-            raise ValueError(f"stage={stage!r}: DistributedZeroOptimizer supports ZeRO stages 1 and 2.")
+                 cast_forward_inputs=True, units=None, reshard_after_forward=True):
+        _check_stage_args(stage, model, units, overlap_param_gather)
         if backward_passes_per_step < 1:
             raise ValueError("backward_passes_per_step must be 1 or more.")
         if overlap_param_gather and model is None:
             raise ValueError("overlap_param_gather=True needs model=: the model's forward hooks wait for the gather.")
         self.config = ZeroConfig.from_env()
+        unit_modules = find_units(model, units) if stage == 3 else None  # refused before anything changes
         remake_state = holds_constructor_state(optimizer)
         self.optimizer = optimizer
         self.stage = stage
@@ -89,7 +104,7 @@ class DistributedZeroOptimizer:
         params = [p for g in optimizer.param_groups for p in g["params"]]
         device = _one_device(params, torch.device("cpu"))
         self._storage = ShardedStorage(self._rank, self._size, device, device, param_dtype, self.config,
-                                       sharded_params=False)
+                                       sharded_params=stage == 3)
         self._reducer = GradReducer(self._storage, stage >= 2, backward_passes_per_step, reduce_dtype,
                                     self.config.bucket_bytes)
         self._gatherer = ParamGatherer(self._storage, self.config.downcast)
@@ -111,6 +126,11 @@ class DistributedZeroOptimizer:
         self._cast_to = param_dtype if cast_forward_inputs else None
         if model is not None:
             self._hooks.append(model.register_forward_pre_hook(self._weak("_before_forward"), with_kwargs=True))
+        self._stage3 = None
+        if stage == 3:  # its hooks run after _before_forward's check of the parameters' storage
+            self._stage3 = Stage3(model, unit_modules, self._storage, self._gatherer, self._reducer,
+                                  self.config.prefetch, reshard_after_forward)
+            self._hooks += self._stage3.hooks
 
     # What the checkpoint code and tests read.
     _shards = property(lambda self: self._storage.shards)
@@ -151,6 +171,8 @@ class DistributedZeroOptimizer:
         self._check_new(params)
         self.optimizer.add_param_group({**group, "params": params})  # validates and fills in the defaults
         self._shard_groups(len(self.optimizer.param_groups) - 1)
+        if self._stage3 is not None:
+            self._stage3.assign()
         if self._remake_state:
             self.optimizer.state.update(created_state(self.optimizer, self.optimizer.param_groups[-1:]))
 
@@ -170,20 +192,13 @@ class DistributedZeroOptimizer:
         _one_device(params + self._params[:1], self._device)
 
     def _weak(self, method, *bound):
-        """A hook that calls self.<method>(*bound, *args) without keeping self alive: the
-        tensors and modules it is registered on would otherwise hold the optimizer (and
-        its shards and state) for as long as the model lives."""
-        ref = weakref.ref(self)
-
-        def hook(*args):
-            opt = ref()
-            return None if opt is None else getattr(opt, method)(*bound, *args)
-        return hook
+        return weak_hook(self, method, *bound)
 
     def _before_forward(self, module, args, kwargs):
         # One parameter's storage, O(1) a forward: model.float()/.half()/.to() after wrapping
         # replace every parameter's, and the forward would run on weights that never update.
-        guard.check_storage(self._storage, range(min(1, len(self._shards))))
+        # At stage 3 every one: the gather would otherwise repair the storage of some and hide it.
+        guard.check_storage(self._storage, range(len(self._shards) if self._stage3 else min(1, len(self._shards))))
         if self._cast_to is None:
             return None
         return cast_floating(args, self._cast_to), cast_floating(kwargs, self._cast_to)
@@ -234,6 +249,8 @@ class DistributedZeroOptimizer:
             raise RuntimeError("step() inside coalesce_grad_reduction(): gradients of that block are reduced "
                                "when it exits. Call step() after the with-block.")
         self._check_unchanged()
+        if self._stage3 is not None:
+            self._stage3.check_at_rest()
         self._finish_reduction()
         self._reducer.reduced = False
         self.wait_for_params()  # the inner step writes the master shards a gather may still read
@@ -268,7 +285,11 @@ class DistributedZeroOptimizer:
 
     def _gather_params(self, wait=True):
         """Allgathers the master shards into the parameters. wait=False leaves the
-        handles for wait_for_params() (the forward hooks, or the next step)."""
+        handles for wait_for_params() (the forward hooks, or the next step). At stage 3
+        the parameters are freed instead: the next forward gathers the new values."""
+        if self._stage3 is not None:
+            self._stage3.reshard_all()
+            return
         self._gatherer.gather(range(len(self._shards)))
         if wait:
             self.wait_for_params()
@@ -279,8 +300,20 @@ class DistributedZeroOptimizer:
         reading parameters outside the model's forward or state_dict()."""
         self._gatherer.wait(indices)
 
+    def gathered_params(self, rank0_only=False):
+        """Stage 3: a context manager in which every parameter is whole (param_dtype), for
+        evaluation or export (model.state_dict()); freed on exit. rank0_only=True keeps
+        them on rank 0 only, gathering one parameter at a time, so the other ranks never
+        hold the whole model. Every rank must enter it."""
+        if self._stage3 is None:
+            raise ValueError("gathered_params() is for stage=3; at stages 1 and 2 the parameters are always whole.")
+        return self._stage3.gathered(rank0_only and self._rank != 0)
+
     def zero_grad(self, set_to_none=True):
-        """Frees the gradients: the full ones on the model and the fp32 shards."""
+        """Frees the gradients: the full ones on the model and the fp32 shards; at stage 3
+        also the gathers a forward that raised left behind."""
+        if self._stage3 is not None:
+            self._stage3.reshard_all()
         for p in self._params:
             p.grad = None
         for mp in self._master_params:
