@@ -65,15 +65,20 @@ def test_parameters_replaced_after_wrapping_are_refused_by_name(two_ranks, kind,
 
 def _resharded_use():
     model = Net()
-    hvd.DistributedZeroOptimizer(adamw(model), model=model, stage=3)
+    opt = hvd.DistributedZeroOptimizer(adamw(model), model=model, stage=3)  # its hooks live as long as it
     x = torch.randn(2, 10)
-    return model.blocks[0].up.weight.numel(), _error(lambda: model.blocks[0].up(x))
+    msg = _error(lambda: model.blocks[0].up(x))
+    with opt.gathered_params():
+        inside = _error(lambda: model.blocks[0].up(x))
+    return model.blocks[0].up.weight.numel(), msg, inside
 
 
 def test_a_resharded_parameter_cannot_be_used_with_stale_values(two_ranks):
-    for numel, msg in two_ranks.run(_resharded_use):
+    for numel, msg, inside in two_ranks.run(_resharded_use):
+        assert inside is None, inside
         assert numel == 0
         assert msg is not None, "a layer ran on a parameter that is not gathered"
+        assert "'blocks.0.up' ran while its gather unit 'blocks.0' is sharded" in msg and "gathered_params" in msg, msg
 
 
 def _forward_raises():

@@ -61,6 +61,10 @@ class Stage3:
         for u in self.units:
             self.hooks.append(u.module.register_forward_pre_hook(weak_hook(self, "pre_forward", u), with_kwargs=True))
             self.hooks.append(u.module.register_forward_hook(weak_hook(self, "post_forward", u), with_kwargs=True))
+            # Registered after pre_forward, so the unit's own module is gathered by then.
+            for name, m in u.module.named_modules(prefix=u.name):
+                if any(True for _ in m.parameters(recurse=False)):
+                    self.hooks.append(m.register_forward_pre_hook(weak_hook(self, "check_gathered", u, name)))
 
     def assign(self):
         """(Re)computes which parameters each unit holds (also after add_param_group)."""
@@ -97,6 +101,15 @@ class Stage3:
 
     def busy_units(self):
         return [u for u in self.units if u.state is not State.RESHARDED]
+
+    def check_gathered(self, unit, name, module, args):
+        if unit.state is State.GATHERED or self.pinned:
+            return
+        raise RuntimeError(
+            f"Module '{name}' ran while its gather unit '{unit.name}' is sharded (ZeRO stage 3): outside the unit's "
+            "forward and backward its parameters hold no values. Call it through the unit, read parameters inside "
+            "`with opt.gathered_params():`, or choose units= so that it lies outside every unit (then it stays "
+            "gathered with the root).")
 
     def check_at_rest(self):
         busy = self.busy_units()
