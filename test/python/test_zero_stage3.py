@@ -114,22 +114,24 @@ def stage3(model, prefetch=1, **kw):
                     lambda: hvd.DistributedZeroOptimizer(adamw(model), model=model, stage=3, **kw))
 
 
-def _parity(prefetch, passes, coalesce):
+def _parity(prefetch, passes, coalesce, reshard_after_forward=True):
     model = Net()
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt = stage3(model, prefetch, backward_passes_per_step=passes if not coalesce else 1)
+    opt = stage3(model, prefetch, backward_passes_per_step=passes if not coalesce else 1,
+                 reshard_after_forward=reshard_after_forward)
     train(model, opt, passes=passes, coalesce=coalesce)
     params = full_params(model, opt)
     moved = sorted(n for n, p in params.items() if not torch.equal(p, initial[n]))
     return rel_errors(params, reference(passes=passes)), moved, opt._stage3.forward_order.changes
 
 
-@pytest.mark.parametrize("prefetch,passes,coalesce", [(1, 1, False), (0, 1, False), (2, 1, False), (1, 2, False),
-                                                      (1, 3, True)],
-                         ids=["prefetch1", "prefetch0", "prefetch2", "backward_passes_per_step2", "coalesce3"])
-def test_stage3_matches_single_process_torch(ranks, prefetch, passes, coalesce):
+@pytest.mark.parametrize("prefetch,passes,coalesce,raf", [(1, 1, False, True), (0, 1, False, True), (2, 1, False, True),
+                                                          (1, 2, False, True), (1, 3, True, True), (1, 1, False, False)],
+                         ids=["prefetch1", "prefetch0", "prefetch2", "backward_passes_per_step2", "coalesce3",
+                              "no_reshard_after_forward"])
+def test_stage3_matches_single_process_torch(ranks, prefetch, passes, coalesce, raf):
     trained = sorted(n for n, p in Net().named_parameters() if p.requires_grad)
-    for errs, moved, changes in ranks.run(_parity, prefetch, passes, coalesce):
+    for errs, moved, changes in ranks.run(_parity, prefetch, passes, coalesce, raf):
         assert max(errs.values()) < 1e-6, errs
         assert moved == trained, moved  # the frozen scale stays, every other parameter trains
         assert changes >= 2, changes  # the branch changes the forward order, and changes it back
@@ -222,9 +224,9 @@ def test_no_full_fp32_parameter_is_ever_made(ranks):
 
 # --- collectives ----------------------------------------------------------------------------
 
-def _collectives(prefetch):
+def _collectives(prefetch, reshard_after_forward=True):
     model = Net()
-    opt = stage3(model, prefetch)
+    opt = stage3(model, prefetch, reshard_after_forward=reshard_after_forward)
     per_step = []
     for step in range(3):
         hvd.collective_stats(reset=True)
@@ -247,3 +249,11 @@ def test_each_unit_gather_is_one_collective(ranks, prefetch):
             assert all(c == 1 + 4 * 2 for c, _ in per_step), per_step
         else:  # prefetched gathers may share a collective
             assert all(c <= 1 + 4 * 2 for c, _ in per_step), per_step
+
+
+def test_without_reshard_after_forward_backward_gathers_less(ranks):
+    # Forward gathers blocks 0, 1 and 2 once each (the second call of block 1 finds it
+    # gathered); backward frees each unit after its backward, so only the first call of
+    # block 1 gathers again.
+    for per_step in ranks.run(_collectives, 0, False):
+        assert all(t == 3 + 5 * 4 and c == 1 + 4 for c, t in per_step), per_step

@@ -198,3 +198,41 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(two_ranks):
     for skipped, scale0, scale1, errs in two_ranks.run(_fp16_overflow):
         assert skipped and scale1 == scale0 * 0.5
         assert max(errs.values()) < 5e-3, errs
+
+
+def _add_group_later(zero):
+    """Block 2 frozen and outside the optimizer for 2 steps, then added with its own lr."""
+    model = Net()
+    model.blocks[2].requires_grad_(False)
+    rest = [p for n, p in model.named_parameters() if not n.startswith("blocks.2.")]
+    inner = torch.optim.AdamW(rest, lr=1e-2, weight_decay=0.1)
+    opt = hvd.DistributedZeroOptimizer(inner, model=model, stage=3) if zero else inner
+    steps = (lambda start: train(model, opt, steps=2, start=start)) if zero else \
+        (lambda start: _train_whole(model, opt, start))
+    steps(0)
+    model.blocks[2].requires_grad_(True)
+    opt.add_param_group({"params": list(model.blocks[2].parameters()), "lr": 5e-3, "weight_decay": 0.0})
+    steps(2)
+    if not zero:
+        return dict(model.named_parameters())
+    with opt.gathered_params():
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _train_whole(model, opt, start):
+    for step in range(start, start + 2):
+        ids, target = batch(10 * step)
+        loss_of(model, ids, target, step).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _added_group():
+    got, want = _add_group_later(True), _add_group_later(False)
+    return max(float((got[n].double() - w.detach().double()).norm() / w.detach().double().norm())
+               for n, w in want.items())
+
+
+def test_add_param_group_at_stage3_shards_and_gathers_the_new_group(two_ranks):
+    for err in two_ranks.run(_added_group):
+        assert err < 1e-6, err
