@@ -184,6 +184,26 @@ def test_stage3_holds_16_over_n_bytes_per_parameter_at_rest(ranks):
         assert held["params"] > 4 * numel, held
 
 
+def _coalescing_holds_full_gradients():
+    model = Net()
+    model.requires_grad_(True)
+    opt = hvd.DistributedZeroOptimizer(adamw(model), model=model, stage=3)
+    with opt.coalesce_grad_reduction():
+        for micro in range(2):
+            ids, target = batch(micro)
+            loss_of(model, local(ids), local(target), 0).backward()
+        inside = held_bytes(model, opt)
+    return inside, held_bytes(model, opt)
+
+
+def test_coalescing_at_stage3_holds_whole_gradients_until_the_block_exits(ranks):
+    """The memory cost of coalescing: every gradient whole (param_dtype) until the one reduction."""
+    numel = sum(p.numel() for p in Net().parameters())
+    for inside, after in ranks.run(_coalescing_holds_full_gradients):
+        assert inside["grads"] == 4 * numel, inside
+        assert after["grads"] == 0, after  # handed to the reduce-scatters; the shards come at step()
+
+
 # --- no full fp32 parameter -----------------------------------------------------------------
 
 def _full_fp32_tensors(downcast):

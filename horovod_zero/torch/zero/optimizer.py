@@ -68,7 +68,16 @@ def _one_device(params, default):
 
 
 class DistributedZeroOptimizer:
-    """Wraps a torch.optim optimizer with ZeRO sharding (stage 1 or 2).
+    """Wraps a torch.optim optimizer with ZeRO sharding: stage 1 (optimizer state),
+    2 (gradients too) or 3 (parameters too).
+
+    Stage 3 needs model=. At rest each parameter is only this rank's fp32 master
+    shard; gather units (each module of the model's largest nn.ModuleList, or
+    units=[classes or modules]) are gathered in param_dtype just before their forward
+    and again before their backward, and freed after (reshard_after_forward=False
+    keeps them from forward to backward). Parameters outside every unit, or shared
+    between units, stay gathered from the model's forward to the end of backward.
+    Use `with opt.gathered_params():` to read whole parameters outside forward.
 
     backward_passes_per_step=N reduces once every N backward passes (gradients are
     summed over the passes and averaged over ranks, as in Horovod).
