@@ -1,16 +1,20 @@
-"""ZeRO benchmark, side by side in one run: horovod_zero stages 1 and 2 against DDP
-(bf16 autocast) and FSDP2 (fully_shard per block, reshard_after_forward=False,
-MixedPrecisionPolicy(bf16, fp32)) on a Llama-3.2-1B-shaped decoder with synthetic
-tokens; then coalescing and downcast fusion. Median step time, tokens/s per GPU,
-peak max_memory_allocated over ranks.
+"""ZeRO benchmark, side by side in one run: horovod_zero stages 1, 2 and 3 against DDP
+(bf16 autocast), FSDP2 (fully_shard per block, MixedPrecisionPolicy(bf16, --reduce-dtype);
+reshard_after_forward=False as ZeRO-2's peer, True as ZeRO-3's) and DeepSpeed ZeRO-3 (bf16,
+communication_data_type --reduce-dtype) on a Llama-3.2-1B-shaped decoder with synthetic
+tokens; then coalescing and downcast fusion. Median step time, tokens/s per GPU, peak
+max_memory_allocated over ranks. Gradients are reduced in bf16 by every system unless
+--reduce-dtype fp32 (horovod_zero reduces in param_dtype, bf16, either way).
 
     torchrun --nproc_per_node=8 examples/bench_zero.py --micro-batch 4
-    torchrun --nproc_per_node=2 examples/bench_zero.py --tiny     # smoke test, CPU too
+    torchrun --nproc_per_node=8 examples/bench_zero.py --modes fsdp2+reshard,zero3,deepspeed3 --extras ""
+    torchrun --nproc_per_node=2 examples/bench_zero.py --tiny     # smoke test, CPU too (no DeepSpeed)
 """
 
 import argparse
 import contextlib
 import gc
+import importlib.util
 import os
 import time
 
@@ -117,7 +121,7 @@ def profile_steps(step_fn, path, steps=3):
         f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
 
 
-def phase_peaks(forward, update):
+def phase_peaks(forward, backward, update):
     """Peak memory (GiB, max over ranks) of one more step's forward, backward and update,
     and what each leaves allocated: where a mode's peak is, and what it holds there."""
     if not torch.cuda.is_available():
@@ -129,7 +133,7 @@ def phase_peaks(forward, update):
         if phase == "forward":
             loss = forward()
         elif phase == "backward":
-            loss.backward()
+            backward(loss)
             del loss
         else:
             update()
@@ -138,7 +142,30 @@ def phase_peaks(forward, update):
     return out
 
 
-def bench_mode(mode, cfg, micro, steps, dev, profile_dir=None, profile_modes=(), phases=False):
+def fsdp2(model, reshard, reduce_dtype):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+    for b in model.blocks:
+        fully_shard(b, reshard_after_forward=reshard, mp_policy=mp)
+    fully_shard(model, reshard_after_forward=reshard, mp_policy=mp)
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+
+
+def deepspeed3(model, micro, reduce_dtype):
+    """DeepSpeed ZeRO-3 with torch's AdamW (no extension build), bf16 parameters and the
+    gradient reduction in reduce_dtype."""
+    import deepspeed  # pip install deepspeed
+    config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
+              "bf16": {"enabled": True},
+              "communication_data_type": "bf16" if reduce_dtype == torch.bfloat16 else "fp32",
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1, "torch_adam": True}},
+              "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True}}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine
+
+
+def bench_mode(mode, cfg, micro, steps, dev, profile_dir=None, profile_modes=(), phases=False,
+               reduce_dtype=torch.bfloat16):
     release_memory()
     model = build(cfg, dev)
     g = torch.Generator(device="cpu").manual_seed(hvd.rank())
@@ -149,14 +176,11 @@ def bench_mode(mode, cfg, micro, steps, dev, profile_dir=None, profile_modes=(),
     if mode == "ddp":
         net = torch.nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.AdamW(net.parameters(), lr=1e-4, weight_decay=0.1)
-    elif mode == "fsdp2":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for b in model.blocks:
-            fully_shard(b, reshard_after_forward=False, mp_policy=mp)
-        fully_shard(model, reshard_after_forward=False, mp_policy=mp)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
-    else:  # zero1, zero2, zero2+overlap (the allgather overlapped with the next forward)
+    elif mode in ("fsdp2", "fsdp2+reshard"):
+        opt = fsdp2(model, mode.endswith("+reshard"), reduce_dtype)
+    elif mode == "deepspeed3":
+        net = opt = deepspeed3(model, micro, reduce_dtype)  # the engine steps and zeroes
+    else:  # zero1, zero2, zero2+overlap (the allgather overlapped with the next forward), zero3
         stage = int(mode.split("+")[0][-1])
         opt = hvd.DistributedZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1),
                                            model=model, stage=stage, param_dtype=torch.bfloat16,
@@ -166,22 +190,26 @@ def bench_mode(mode, cfg, micro, steps, dev, profile_dir=None, profile_modes=(),
         with amp:
             return F.cross_entropy(net(x).flatten(0, 1).float(), y.flatten())
 
+    def backward(loss):
+        net.backward(loss) if mode == "deepspeed3" else loss.backward()
+
     def update():
         opt.step()
-        opt.zero_grad()
+        if mode != "deepspeed3":
+            opt.zero_grad()
 
     def step():
-        forward().backward()
+        backward(forward())
         update()
     # The training peak: from here on (construction's transient fp32 copies are not
     # counted for any mode; the first step's lazy allocations are).
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     t = run_steps(step, steps)
-    out = (t, micro * cfg["seq"] / t, peak_gib(), phase_peaks(forward, update) if phases else None)
+    out = (t, micro * cfg["seq"] / t, peak_gib(), phase_peaks(forward, backward, update) if phases else None)
     if profile_dir and mode in profile_modes:  # every rank steps; rank 0 writes
         profile_steps(step, os.path.join(profile_dir, f"profile_{mode.replace('+', '_')}.txt") if hvd.rank() == 0 else None)
-    del model, opt
+    del model, opt, net
     return out
 
 
@@ -244,7 +272,9 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="a tiny model: a smoke test that runs on CPU too")
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--modes", default="ddp,fsdp2,zero1,zero2,zero2+overlap")
+    ap.add_argument("--modes", default="ddp,fsdp2,zero1,zero2,zero2+overlap,fsdp2+reshard,zero3,deepspeed3")
+    ap.add_argument("--reduce-dtype", choices=("bf16", "fp32"), default="bf16",
+                    help="FSDP2's and DeepSpeed's gradient reduction dtype")
     ap.add_argument("--extras", default="coalescing,downcast,init")
     ap.add_argument("--phases", action="store_true", help="peak memory per phase of one extra step")
     ap.add_argument("--profile", default="", help="modes to profile after timing (e.g. zero2,fsdp2)")
@@ -259,10 +289,14 @@ def main():
     cfg = TINY if args.tiny else LLAMA_1B
     lines = [f"== bench_zero: {hvd.size()} ranks, {torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}, "
              f"{'tiny' if args.tiny else 'Llama-3.2-1B-shaped'} model, micro-batch {args.micro_batch}, "
-             f"seq {cfg['seq']}"]
+             f"seq {cfg['seq']}, FSDP2/DeepSpeed reduce in {args.reduce_dtype}"]
+    reduce_dtype = torch.bfloat16 if args.reduce_dtype == "bf16" else torch.float32
     for mode in args.modes.split(","):
+        if mode == "deepspeed3" and (dev.type != "cuda" or importlib.util.find_spec("deepspeed") is None):
+            lines.append(f"{mode:13s} skipped: needs CUDA and `pip install deepspeed`")
+            continue
         t, tok, peak, phases = bench_mode(mode, cfg, args.micro_batch, args.steps, dev, args.profile_dir,
-                                          args.profile.split(","), args.phases)
+                                          args.profile.split(","), args.phases, reduce_dtype)
         lines.append(f"{mode:13s} step {t*1e3:9.1f} ms  {tok:10.0f} tokens/s/GPU  peak {peak:6.2f} GiB")
         if phases:
             lines.append("    " + ", ".join(f"{ph} peak {pk:.2f} held {held:.2f}" for ph, pk, held in phases))

@@ -6,10 +6,12 @@ shards are allgathered into the model's parameters (bf16 on the wire with
 --bf16). Runs on CPU (Gloo) or, when CUDA is usable, on this rank's GPU (NCCL).
 
     torchrun --nproc_per_node=2 examples/train_zero.py --stage 2
+    torchrun --nproc_per_node=2 examples/train_zero.py --stage 3 --bf16   # parameters sharded too
     python -m horovod_zero.runner -np 2 -H localhost:2 python examples/train_zero.py
 """
 
 import argparse
+import contextlib
 import time
 
 import torch
@@ -47,7 +49,7 @@ def batch(step, global_batch, seq, vocab):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--stage", type=int, default=2)
+    ap.add_argument("--stage", type=int, default=2, help="1, 2, or 3 (each transformer layer one gather unit)")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--batch", type=int, default=16, help="global batch size")
     ap.add_argument("--bf16", action="store_true", help="bf16 parameters, fp32 master shards")
@@ -74,10 +76,11 @@ def main():
         global_loss = hvd.allreduce(loss.detach().float(), name="loss").item()
         if hvd.rank() == 0 and (step % 20 == 0 or step == args.steps - 1):
             print(f"step {step:3d}  loss {global_loss:.4f}", flush=True)
-    flat = torch.cat([p.detach().float().flatten() for p in model.parameters()])
+    with opt.gathered_params() if args.stage == 3 else contextlib.nullcontext():  # stage 3: whole only in here
+        flat = torch.cat([p.detach().float().flatten() for p in model.parameters()])
+        total = sum(p.numel() for p in model.parameters())
     spread = (hvd.allreduce(flat, op=hvd.Max, name="check.max") - hvd.allreduce(flat, op=hvd.Min, name="check.min"))
     state = sum(v.numel() for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
-    total = sum(p.numel() for p in model.parameters())
     if hvd.rank() == 0:
         print(f"done: ZeRO stage {args.stage}, {hvd.size()} ranks ({dev}), {args.steps} steps in {time.time() - t0:.1f} s; "
               f"this rank holds {state} optimizer-state values for {total} parameters (2 per parameter unsharded); "

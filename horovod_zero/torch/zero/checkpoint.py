@@ -38,7 +38,13 @@ def consolidated_state_dict(model, opt):
         state[s.name] = entry
     if rank() != 0:
         return None
-    others = {k: v.detach().cpu() for k, v in model.state_dict().items() if k not in params} if model is not None else {}
+    others = {}
+    if model is not None:
+        # A tied parameter's other names hold the same tensor (one storage in the file), so that
+        # model.load_state_dict() takes the 'model' entry; stage 3 has no whole value to read there.
+        first = {p: s.name for s, p in zip(opt._shards, opt._params)}
+        aliases = {n: params[first[p]] for n, p in model.named_parameters(remove_duplicate=False) if p in first}
+        others = {k: aliases.get(k, v).detach().cpu() for k, v in model.state_dict().items() if k not in params}
     groups = []
     for g, group in enumerate(inner.param_groups):
         hyper = {k: v for k, v in group.items() if k != "params"}
@@ -189,7 +195,7 @@ def _load(state, model, opt, source, failure=None):
                 if k not in ("params", "param_names"):
                     group[k] = v
         if model is not None:
-            named = dict(model.named_parameters())
+            named = dict(model.named_parameters(remove_duplicate=False))  # tied names too
             others = {k: v for k, v in model_state.items() if k not in named}
             for k, v in model.state_dict().items():
                 if k in others:

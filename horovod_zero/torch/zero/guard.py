@@ -39,10 +39,11 @@ def check_groups(param_groups, views, ngroups):
         "before wrapping, or call add_param_group() on the DistributedZeroOptimizer (on every rank).")
 
 
-def check_storage(shards, params, stores):
-    """Each parameter must still be a view of the buffer its updates are gathered into."""
-    for s, p, store in zip(shards, params, stores):
-        if s.numel and (p.data_ptr() != store.data_ptr() or p.dtype != store.dtype):
+def check_storage(storage, indices):
+    """Each parameter must still use the buffer its updates are gathered into."""
+    for i in indices:
+        if not storage.holds_storage(i):
+            s, p, store = storage.shards[i], storage.params[i], storage.stores[i]
             raise RuntimeError(
                 f"Parameter '{s.name}' no longer uses the storage DistributedZeroOptimizer writes its updates "
                 f"into: it is now {p.dtype} on {p.device}, it was wrapped as {store.dtype} on {store.device}. "

@@ -1,0 +1,63 @@
+"""Parameter gathering: the fp32 master shards allgathered into the parameters'
+buffers with output_dtype=param_dtype, so the downcast happens in the runtime's
+copy-in and only param_dtype crosses the wire (HOROVOD_ZERO_DOWNCAST=0 gathers
+fp32 and casts afterwards, for comparison). Each call is one grouped enqueue per
+dtype, which the runtime fuses into one collective; the handles stay here until
+someone waits for them."""
+
+import torch
+
+from horovod_zero.torch import mpi_ops
+from horovod_zero.torch.basics import _core
+
+
+class ParamGatherer:
+    def __init__(self, storage, downcast):
+        self._storage = storage
+        self._downcast = downcast
+        self.in_flight = {}  # shard index -> allgather handle
+        self._after = {}  # shard index -> (buffer, fp32 copy) to cast once gathered (downcast off)
+
+    def gather(self, indices):
+        """Enqueues the gathers of the master shards at `indices` into their buffers
+        (at stage 3 allocating them first)."""
+        st = self._storage
+        self.wait(indices)  # one gather of a parameter in flight at a time: the names stay unique
+        by_dtype = {}
+        for i in indices:
+            out = st.unshard(i) if st.sharded_params else st.stores[i]
+            by_dtype.setdefault(out.dtype, []).append((i, out))
+        for dtype, items in by_dtype.items():
+            ins = [st.master_params[i].detach().to(st.param_device) for i, _ in items]
+            if self._downcast:
+                outs, out_dtype = [o for _, o in items], dtype
+            else:
+                outs = [torch.empty(o.numel(), dtype=torch.float32, device=o.device) for _, o in items]
+                self._after.update({i: (o, full) for (i, o), full in zip(items, outs)})
+                out_dtype = None
+            names = [f"zero.param.{i}" for i, _ in items]
+            handles = mpi_ops._enqueue(_core.OP_ALLGATHER, ins, outs, names, output_dtype=out_dtype)
+            self.in_flight.update({i: h for (i, _), h in zip(items, handles)})
+
+    def wait(self, indices=None):
+        """Waits for the gathers of `indices` (all when None) that are in flight."""
+        for i in list(self.in_flight) if indices is None else indices:
+            h = self.in_flight.pop(i, None)
+            if h is None:
+                continue
+            mpi_ops.synchronize(h)
+            if i in self._after:
+                out, full = self._after.pop(i)
+                out.copy_(full)
+
+
+def hook_forward_waits(model, params, shard_of, weak):
+    """Each module waits, before its forward, for the gather of those of `params` it
+    owns (overlap_param_gather). `weak` makes a hook that does not keep the optimizer
+    alive. Returns the hook handles."""
+    hooks = []
+    for m in model.modules():
+        own = tuple(shard_of[p].index for p in m.parameters(recurse=False) if p in params)
+        if own:
+            hooks.append(m.register_forward_pre_hook(weak("_wait_hook", own)))
+    return hooks

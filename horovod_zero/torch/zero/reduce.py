@@ -1,0 +1,150 @@
+"""Gradient reduction: full gradients reduce-scattered (op Average) into this
+rank's shards. Stages 2 and 3 start as each gradient becomes ready in backward,
+in buckets; stage 1, a coalescing block, and backward_passes_per_step=N wait so
+that each parameter is reduced once per step. A full gradient is dropped from the
+parameter when it is taken; the runtime frees it once its collective is done."""
+
+import contextlib
+
+import torch
+
+from horovod_zero.torch import mpi_ops
+from horovod_zero.torch.basics import _core
+
+
+class GradReducer:
+    def __init__(self, storage, eager, backward_passes_per_step, reduce_dtype, bucket_bytes):
+        self._storage = storage
+        self._eager = eager  # reduce in backward (stages 2 and 3) rather than at step()
+        self._bpps = backward_passes_per_step
+        self._reduce_dtype = reduce_dtype
+        self._bucket_limit = bucket_bytes
+        # shard index -> [handle], one per reduction this step. The padded gradient copy is
+        # not kept here: the runtime holds it until its collective finishes, then frees it,
+        # so backward never holds more than the gradients still in flight.
+        self._pending = {}
+        self._had_grad = {}  # shard index -> whether this rank had a gradient for it this step
+        self._bucket, self._bucket_bytes = [], 0  # gradients taken, not yet submitted
+        self._delay = []  # shard index -> backward passes until its next reduction
+        self.reduced = False  # master grads hold this step's reduced gradients
+        self.coalescing = False
+
+    @property
+    def busy(self):
+        """Whether gradients of this step are waiting for step()."""
+        return bool(self.coalescing or self._pending or self._bucket or self.reduced)
+
+    def extend(self, count):
+        self._delay += [self._bpps] * count
+
+    def on_grad_ready(self, p):
+        """A parameter's gradient is accumulated (post-accumulate-grad hook)."""
+        if self.coalescing or not self._eager:
+            return
+        s = self._storage.shard_of[p]
+        self._delay[s.index] -= 1
+        if self._delay[s.index] > 0:
+            return
+        self._delay[s.index] = self._bpps
+        # Gradients wait in a bucket until it holds HOROVOD_ZERO_BUCKET_BYTES: one group
+        # of several tensors fuses into one large collective instead of many small ones.
+        taken = self._take(s, p)
+        self._bucket.append(taken)
+        self._bucket_bytes += s.padded * taken[2].itemsize
+        if self._bucket_bytes >= self._bucket_limit:
+            self.flush()
+
+    def flush(self):
+        bucket, self._bucket, self._bucket_bytes = self._bucket, [], 0
+        self._submit(bucket)
+
+    def _take(self, s, p):
+        """Takes p's gradient for reduction: later backward passes start afresh."""
+        g, p.grad = p.grad, None
+        self._had_grad[s.index] = self._had_grad.get(s.index, False) or g is not None
+        return s, g, self._reduce_dtype or (g.dtype if g is not None else p.dtype)
+
+    def _padded_grad(self, s, g, dtype, device):
+        if g is not None and s.numel == s.padded and g.dtype == dtype and g.is_contiguous():
+            return g.view(-1)  # no padding needed: reduce-scatter it where it is
+        buf = torch.zeros(s.padded, dtype=dtype, device=device)
+        if g is not None:
+            buf[:s.numel].copy_(g.reshape(-1))
+        return buf
+
+    def _submit(self, taken):
+        """Reduce-scatters these taken (shard, gradient, dtype) as one group."""
+        if not taken:
+            return
+        device = self._storage.param_device
+        ins = [self._padded_grad(s, g, dtype, device) for s, g, dtype in taken]
+        outs = [b.new_empty(s.shard) for b, (s, _, _) in zip(ins, taken)]
+        # The k-th reduction of a parameter in a step has its own name: every rank
+        # runs the same backward passes, so the names agree.
+        names, seen = [], {}
+        for s, _, _ in taken:
+            k = len(self._pending.get(s.index, ())) + seen.get(s.index, 0)
+            seen[s.index] = seen.get(s.index, 0) + 1
+            names.append(f"zero.grad.{s.index}.{k}")
+        # The runtime holds the inputs until their collective is done, then frees them.
+        handles = mpi_ops._enqueue(_core.OP_REDUCESCATTER, ins, outs, names, mpi_ops.Average)
+        for h, (s, _, _) in zip(handles, taken):
+            self._pending.setdefault(s.index, []).append(h)
+
+    def _trained(self):
+        st = self._storage
+        return [(s, p) for s, p in zip(st.shards, st.params) if p.requires_grad]
+
+    def submit_rest(self):
+        # Every rank must submit every trained parameter, also those without a gradient
+        # here; and gradient accumulated since a parameter's last reduction goes too.
+        self.flush()
+        self._submit([self._take(s, p) for s, p in self._trained() if s.index not in self._pending or p.grad is not None])
+
+    def finish(self, unscale):
+        """Waits for this step's reductions and sets each master shard's .grad to the
+        sum of its reductions (fp32, times `unscale`)."""
+        if self.reduced:
+            return
+        self.submit_rest()
+        trained = self._trained()
+        had = self._had_grad_anywhere(trained)
+        masters = self._storage.master_params
+        for (s, _), flag in zip(trained, had):
+            outs = [mpi_ops.synchronize(h) for h in self._pending[s.index]]  # one per reduction this step
+            if not flag:
+                # No rank had a gradient: grad None, so the inner optimizer skips the parameter
+                # (no weight decay, no momentum) exactly as torch would.
+                masters[s.index].grad = None
+                continue
+            g = outs[0].to(device=masters[s.index].device, dtype=torch.float32)  # no copy when already there
+            for o in outs[1:]:
+                g.add_(o.to(g.device))
+            if unscale != 1.0:
+                g.mul_(unscale)  # in fp32: the scaled fp16 values are exact, the unscaled ones may not be
+            masters[s.index].grad = g
+        self._pending.clear()
+        self._had_grad.clear()
+        self._delay = [self._bpps] * len(self._storage.shards)
+        self.reduced = True
+
+    def _had_grad_anywhere(self, trained):
+        """Per trained parameter, whether any rank had a gradient for it this step."""
+        if not trained:
+            return []
+        # Small per-step allreduces stay on the parameters' device: on GPUs that is NCCL,
+        # not Gloo's TCP pairs (~1 ms an op on an 8-GPU host).
+        had = torch.tensor([1.0 if self._had_grad.get(s.index) else 0.0 for s, _ in trained],
+                           device=self._storage.param_device)
+        return [f > 0 for f in mpi_ops.allreduce(had, op=mpi_ops.Max, name="zero.had_grad").tolist()]
+
+    @contextlib.contextmanager
+    def coalesce(self):
+        if self.coalescing:
+            raise RuntimeError("coalesce_grad_reduction() blocks do not nest.")
+        self.coalescing = True
+        try:
+            yield
+        finally:
+            self.coalescing = False
+        self.submit_rest()

@@ -1,0 +1,237 @@
+"""Stage 3: the hooks that gather each unit's parameters just before they are
+used and free them after, in forward and again in backward, prefetching the
+next units in recorded order (order.py).
+
+[Note: stage 3 hooks]
+- Root (the model): its pre-forward hook gathers the parameters outside every
+  unit; they stay gathered until the end of backward (or the end of a forward
+  without grad).
+- A unit's pre-forward hook issues its gather and the next HOROVOD_ZERO_PREFETCH
+  units' (forward order), then waits for its own. Its post-forward hook frees
+  it (reshard_after_forward=True, or always without grad) and passes its outputs
+  through _OnBackward, whose backward gathers it again (with the next units in
+  backward order) before any of the unit's backward runs. Its inputs pass through
+  another _OnBackward, whose backward runs once the unit's backward has produced the
+  input gradients: the unit is freed there and the gradient bucket flushed.
+- The first unit gathered in a backward queues a callback for the end of it,
+  which frees whatever is still gathered (units whose inputs needed no grad,
+  gathers prefetched but not used, the root) and records the backward order.
+Every rank must run the same units in the same order, as with any collective."""
+
+import contextlib
+import enum
+import functools
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from horovod_zero.torch.zero.order import OrderTrace
+from horovod_zero.torch.zero.units import assign
+from horovod_zero.torch.zero.weak import weak_hook
+
+
+class State(enum.Enum):
+    RESHARDED = "resharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+class Unit:
+    def __init__(self, index, module, name):
+        self.index, self.module, self.name = index, module, name
+        self.params = []  # shard indices
+        self.state = State.RESHARDED
+
+
+class Stage3:
+    def __init__(self, model, unit_modules, storage, gatherer, reducer, prefetch, reshard_after_forward):
+        self._storage, self._gatherer, self._reducer = storage, gatherer, reducer
+        self._model = model
+        self._prefetch = prefetch
+        self._reshard_after_forward = reshard_after_forward
+        names = {m: n for n, m in model.named_modules(remove_duplicate=False)}
+        self.units = [Unit(k, m, names.get(m, type(m).__name__)) for k, m in enumerate(unit_modules)]
+        self.root = Unit(-1, model, "<root>")
+        self.forward_order, self.backward_order = OrderTrace(), OrderTrace()
+        self.pinned = False  # gathered_params(): every parameter stays gathered, hooks do nothing
+        self._final_queued = False
+        self.assign()
+        self.hooks = [model.register_forward_pre_hook(weak_hook(self, "root_pre_forward"), with_kwargs=True),
+                      model.register_forward_hook(weak_hook(self, "root_post_forward"), with_kwargs=True)]
+        for u in self.units:
+            self.hooks.append(u.module.register_forward_pre_hook(weak_hook(self, "pre_forward", u), with_kwargs=True))
+            self.hooks.append(u.module.register_forward_hook(weak_hook(self, "post_forward", u), with_kwargs=True))
+            # Registered after pre_forward, so the unit's own module is gathered by then.
+            for name, m in u.module.named_modules(prefix=u.name):
+                if any(True for _ in m.parameters(recurse=False)):
+                    self.hooks.append(m.register_forward_pre_hook(weak_hook(self, "check_gathered", u, name)))
+
+    def assign(self):
+        """(Re)computes which parameters each unit holds (also after add_param_group)."""
+        per_unit, root = assign(self._model, [u.module for u in self.units], self._storage.shard_of)
+        for u, params in zip(self.units, per_unit):
+            u.params = params
+        self.root.params = root
+
+    # --- one unit's transitions ---------------------------------------------
+
+    def gather(self, unit):
+        if unit.state is State.RESHARDED:
+            self._gatherer.gather(unit.params)  # one grouped call: one fused collective
+            unit.state = State.GATHERING
+
+    def wait(self, unit):
+        if unit.state is State.GATHERING:
+            self._gatherer.wait(unit.params)
+            unit.state = State.GATHERED
+
+    def unshard(self, unit):
+        self.gather(unit)
+        self.wait(unit)
+
+    def reshard(self, unit):
+        self.wait(unit)  # never free storage a gather is still writing
+        for i in unit.params:
+            self._storage.reshard(i)
+        unit.state = State.RESHARDED
+
+    def reshard_all(self):
+        for u in self.units + [self.root]:
+            self.reshard(u)
+
+    def busy_units(self):
+        return [u for u in self.units if u.state is not State.RESHARDED]
+
+    def check_gathered(self, unit, name, module, args):
+        if unit.state is State.GATHERED or self.pinned:
+            return
+        raise RuntimeError(
+            f"Module '{name}' ran while its gather unit '{unit.name}' is sharded (ZeRO stage 3): outside the unit's "
+            "forward and backward its parameters hold no values. Call it through the unit, read parameters inside "
+            "`with opt.gathered_params():`, or choose units= so that it lies outside every unit (then it stays "
+            "gathered with the root).")
+
+    def check_at_rest(self):
+        busy = self.busy_units()
+        if busy:
+            raise RuntimeError(
+                f"step() while units {[u.name for u in busy[:3]]} are still gathered: the last forward did not "
+                "finish its backward (it raised, or backward() was not called), so this step's gradients would miss "
+                "them. Call opt.zero_grad(), which frees those gathers, and run forward and backward again.")
+        self.reshard(self.root)
+
+    @contextlib.contextmanager
+    def gathered(self, free_each):
+        """Every parameter gathered for the block; `free_each`: freed again at once, one
+        parameter at a time (the ranks that only help rank 0 gather)."""
+        if self.pinned:
+            raise RuntimeError("gathered_params() blocks do not nest.")
+        self.reshard_all()
+        self.pinned = True
+        try:
+            for u in self.units + [self.root]:
+                for i in u.params:
+                    self._gatherer.gather([i])
+                    self._gatherer.wait([i])
+                    if free_each:
+                        self._storage.reshard(i)
+                u.state = State.RESHARDED if free_each else State.GATHERED
+            yield
+        finally:
+            self.pinned = False
+            self.reshard_all()
+
+    def _prefetch_next(self, trace):
+        for k in trace.upcoming(self._prefetch):
+            self.gather(self.units[k])
+
+    # --- hooks -------------------------------------------------------------------
+
+    def root_pre_forward(self, module, args, kwargs):
+        if self.pinned:
+            return
+        # Left over from a forward that raised, or one whose backward never ran.
+        for u in self.busy_units():
+            self.reshard(u)
+        self.forward_order.now, self.forward_order.matching = [], True
+        self.unshard(self.root)
+
+    def root_post_forward(self, module, args, kwargs, output):
+        if self.pinned:
+            return
+        self.forward_order.end()
+        self.backward_order.predict(reversed(self.forward_order.last or []))
+        if not torch.is_grad_enabled():
+            self.reshard_all()  # no backward follows
+            return
+        for u in self.units:  # prefetched, but this forward took another path
+            if u.state is not State.RESHARDED and u.index not in self.forward_order.last:
+                self.reshard(u)
+
+    def pre_forward(self, unit, module, args, kwargs):
+        if self.pinned:
+            return None
+        self.forward_order.visit(unit.index)
+        self.gather(unit)
+        self._prefetch_next(self.forward_order)
+        self.wait(unit)
+        if not torch.is_grad_enabled():
+            return None
+        return _through(functools.partial(self.post_backward, unit), (args, kwargs))
+
+    def post_forward(self, unit, module, args, kwargs, output):
+        if self.pinned:
+            return None
+        if self._reshard_after_forward or not torch.is_grad_enabled():
+            self.reshard(unit)
+        if not torch.is_grad_enabled():
+            return None
+        return _through(functools.partial(self.pre_backward, unit), output)
+
+    def pre_backward(self, unit):
+        if not self._final_queued:
+            self._final_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        self.backward_order.visit(unit.index)
+        self.gather(unit)
+        self._prefetch_next(self.backward_order)
+        self.wait(unit)
+
+    def post_backward(self, unit):
+        self.reshard(unit)
+        self._reducer.flush()
+
+    def _end_of_backward(self):
+        self._final_queued = False
+        self.backward_order.end()
+        self.reshard_all()
+        self._reducer.flush()
+
+
+def _through(on_backward, tree):
+    """`tree` with its tensors that need grad passed through one _OnBackward node, or
+    None when none needs grad."""
+    leaves, spec = tree_flatten(tree)
+    at = [k for k, t in enumerate(leaves) if torch.is_tensor(t) and t.requires_grad]
+    if not at:
+        return None
+    outs = _OnBackward.apply(on_backward, *[leaves[k] for k in at])
+    for k, t in zip(at, outs):
+        leaves[k] = t
+    return tree_unflatten(leaves, spec)
+
+
+class _OnBackward(torch.autograd.Function):
+    """Identity on some tensors; its backward first calls on_backward(). On a unit's
+    outputs that runs before the unit's backward (to gather it), on its inputs after
+    (to free it)."""
+
+    @staticmethod
+    def forward(ctx, on_backward, *tensors):
+        ctx.on_backward = on_backward
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.on_backward()
+        return (None,) + grads
