@@ -82,7 +82,7 @@ def _bucketed(bucket_bytes, passes):
     collectives, before_step = [], []
 
     def submitted_and_held():  # after the step's last backward pass, before step()
-        before_step.append((sum(len(h) for h in opt._pending.values()), len(opt._bucket)))
+        before_step.append((sum(len(h) for h in opt._reducer._pending.values()), len(opt._reducer._bucket)))
 
     for step in range(STEPS):
         hvd.collective_stats(reset=True)
@@ -372,8 +372,8 @@ def _chunked_init():
     paths = (opt.init_path, direct.init_path)
     # The same fp32 master shards and padded parameter storage as the direct build.
     same = (all(torch.equal(a, b) for a, b in zip(opt._master, direct._master))
-            and all(torch.equal(a, b) for a, b in zip(opt._stores, direct._stores))
-            and len(opt._stores) == len(direct._stores) == 4)
+            and all(torch.equal(a, b) for a, b in zip(opt._storage.stores, direct._storage.stores))
+            and len(opt._storage.stores) == len(direct._storage.stores) == 4)
     _train(model, opt, 1, "plain", None)
     ref, _ = train_reference(1, None)
     return paths, same, [rel_err(p, q) for p, q in zip(model.parameters(), ref.parameters())]
