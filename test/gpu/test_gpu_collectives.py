@@ -1,18 +1,18 @@
-"""alltoall, join, Product, integer Average and scales, and int16 over NCCL on 2
-GPUs, against the same plain-torch references as the CPU tests."""
+"""alltoall, join, Product, integer Average and scales, and int16 over NCCL on 1
+and 2 GPUs, against plain-torch references."""
 
 import pytest
 import torch
 
 import horovod_zero.torch as hvd
+from harness import on_gpus, shared_pool
 from refs import make
 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(params=[2], ids=["2gpus"])
+@pytest.fixture(params=on_gpus(1, 2))
 def gpus(request):
-    from harness import shared_pool
     return shared_pool(request.param)
 
 
