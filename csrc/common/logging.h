@@ -9,8 +9,10 @@ namespace hvdz {
 
 enum class LogLevel { kTrace = 0, kDebug, kInfo, kWarning, kError, kFatal };
 
-// Parses HOROVOD_LOG_LEVEL's words; unknown words fall back to warning.
-LogLevel ParseLogLevel(const std::string& s);
+// HOROVOD_LOG_LEVEL's words (trace, debug, info, warning, error, fatal), any case;
+// false for any other word.
+bool ParseLogLevel(const std::string& s, LogLevel* out);
+const char* LogLevelName(LogLevel l);  // lower case, as ParseLogLevel takes it
 
 class Logger {
  public:
