@@ -42,6 +42,20 @@ class LogLine {
   std::ostringstream os_;
 };
 
+// "'a', 'b', 'c' and 5 more": the names of `items` (name(item) for each) for a log
+// line, at most `max` of them, so one line stays short however big the batch.
+template <typename Items, typename Name>
+std::string NameList(const Items& items, Name name, size_t max = 8) {
+  std::ostringstream os;
+  size_t n = 0;
+  for (const auto& it : items) {
+    if (n == max) break;
+    os << (n++ ? ", '" : "'") << name(it) << "'";
+  }
+  if (items.size() > max) os << " and " << items.size() - max << " more";
+  return os.str();
+}
+
 #define HVDZ_LOG(logger, LEVEL)                                  \
   if (!(logger).Enabled(::hvdz::LogLevel::LEVEL)) {              \
   } else                                                         \

@@ -76,6 +76,7 @@ class Controller {
   void InspectStalls(const std::vector<Header>& all, const std::vector<uint64_t>& invalid_any,
                      const std::vector<bool>& joined);
   Status SlowPath(const std::vector<bool>& joined, std::vector<Response>* out);
+  void LogDecisions(const std::vector<Response>& resps) const;  // rank 0, debug level
   void Admit(const std::vector<Response>& fresh);
   void Requeue(uint32_t pos);
 

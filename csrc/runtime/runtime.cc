@@ -102,6 +102,21 @@ Status Runtime::ContextFor(const TensorEntry& e, DeviceContext** ctx) {
   return Status::OK();
 }
 
+// Which tensors run as one collective, and on which transport.
+void Runtime::LogGroup(const std::vector<const Response*>& group) const {
+  const Response& r = *group.front();
+  int64_t elems = 0;
+  for (const Response* g : group) {
+    int64_t n = 1;
+    for (auto d : g->shape) n *= d;
+    elems += n;
+  }
+  HVDZ_LOG(logger_, kDebug) << "Fusion group: " << OpTypeName(r.op) << " of " << group.size() << " tensor(s) ("
+                            << NameList(group, [](const Response* g) { return g->name; }) << "), " << elems
+                            << " " << DataTypeName(r.out_dtype) << " elements (rank 0's shapes), over "
+                            << (r.on_cuda ? "NCCL (CUDA)" : "Gloo (CPU)");
+}
+
 void Runtime::ExecuteGroup(const std::vector<const Response*>& group, bool joined, Clock::time_point negotiated) {
   std::vector<TensorEntry> entries;
   std::vector<const Response*> mine;
@@ -127,6 +142,7 @@ void Runtime::ExecuteGroup(const std::vector<const Response*>& group, bool joine
     mine.push_back(r);
   }
   if (entries.empty()) return;
+  if (logger_.Enabled(LogLevel::kDebug)) LogGroup(mine);
   DeviceContext* ctx = nullptr;
   Status s = ContextFor(entries.front(), &ctx);
   if (!s.ok()) {
@@ -141,6 +157,7 @@ void Runtime::Execute(const CycleResult& result, Clock::time_point negotiated) {
   for (const auto& r : responses) {
     if (r.ok()) continue;
     TensorEntry e;
+    HVDZ_LOG(logger_, kDebug) << "Failing '" << r.name << "': " << r.error;
     if (queue_.Take(r.name, &e)) Complete(e, Status::PreconditionError(r.error));
   }
   for (const auto& idx : PlanFusion(responses, params_.fusion_threshold_bytes)) {

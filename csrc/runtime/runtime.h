@@ -72,6 +72,9 @@ class Runtime {
   void CompleteJoin(int last_joined);
   // Why the loop stopped when other ranks asked it to.
   Status PeersLeft(const std::vector<int>& ranks);
+  // How long to sleep after a cycle; `busy`: the cycle had work on any rank.
+  Clock::duration NextWait(bool busy, Clock::duration* idle_period) const;
+  void LogGroup(const std::vector<const Response*>& group) const;
   Status ContextFor(const TensorEntry& e, DeviceContext** ctx);
   Status CheckDevice(const TensorEntry& e);
 
