@@ -196,24 +196,17 @@ class PyRuntime {
   }
 
   py::object Wait(int64_t h) {
-    Status s;
-    {
-      py::gil_scoped_release nogil;
-      s = rt_->handles().Wait(h);
-    }
+    Status s = WaitInterruptibly({h}).front();
     py::object out = TakeOutput(h);
     Check(s);
     return out;
   }
 
-  // Many handles for one release of the GIL. Every handle is waited for and
-  // released before the first failure (in order) is raised, so none is left behind.
+  // Many handles for few releases of the GIL. Every handle is waited for and
+  // released before the first failure (in order) is raised, so none is left behind;
+  // an interrupt (Ctrl-C) releases none of them.
   std::vector<py::object> WaitAll(const std::vector<int64_t>& hs) {
-    std::vector<Status> st(hs.size());
-    {
-      py::gil_scoped_release nogil;
-      for (size_t i = 0; i < hs.size(); ++i) st[i] = rt_->handles().Wait(hs[i]);
-    }
+    std::vector<Status> st = WaitInterruptibly(hs);
     std::vector<py::object> out;
     out.reserve(hs.size());
     for (auto h : hs) out.push_back(TakeOutput(h));
@@ -382,6 +375,32 @@ class PyRuntime {
                                      std::to_string(sum) + " rows, but the tensor has " + std::to_string(dim0) +
                                      " in dim 0; they must add up to dim 0.");
     return Status::OK();
+  }
+
+  // [Note: interruptible waits]
+  // A wait releases the GIL, so Python cannot run its signal handlers meanwhile:
+  // waiting in one piece would ignore Ctrl-C until the op finished or timed out.
+  // Waiting in slices, with the GIL held between them to run the handlers, lets
+  // KeyboardInterrupt (or any exception a handler raises) out within a slice. The
+  // op itself goes on, and its handle stays valid for a later synchronize().
+  std::vector<Status> WaitInterruptibly(const std::vector<int64_t>& hs) {
+    constexpr std::chrono::milliseconds kSlice(50);
+    std::vector<Status> st(hs.size());
+    size_t next = 0;  // handles before it are done
+    while (true) {
+      {
+        py::gil_scoped_release nogil;
+        const auto deadline = std::chrono::steady_clock::now() + kSlice;
+        while (next < hs.size()) {
+          bool done = false;
+          st[next] = rt_->handles().WaitUntil(hs[next], deadline, &done);
+          if (!done) break;
+          ++next;
+        }
+      }
+      if (next == hs.size()) return st;
+      if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+    }
   }
 
   // Called with the GIL held: the input and output may be dropped here for the last time.
