@@ -49,9 +49,10 @@ class Controller {
   Controller(ControlPlane& cp, const Params& params, const Logger& log);
   Status RunCycle(const std::vector<Request>& new_requests, bool want_shutdown, CycleResult* out);
 
-  // Whether this rank has submitted tensors that are not ready yet, i.e. it is
-  // waiting on other ranks and should cycle again soon.
-  bool HasPending() const { return !pending_hits_.empty() || !unsent_.empty() || !awaiting_.empty(); }
+  // Whether this rank has submitted tensors that are not ready yet, or has joined
+  // (the others' allreduces need it in every exchange), i.e. it is waiting on other
+  // ranks and should cycle again soon.
+  bool HasPending() const { return !pending_hits_.empty() || !unsent_.empty() || !awaiting_.empty() || joined_; }
   const ResponseCache& cache() const { return cache_; }
   uint64_t slow_path_cycles() const { return slow_path_cycles_; }
 

@@ -180,14 +180,49 @@ Status Runtime::PeersLeft(const std::vector<int>& ranks) {
       "with zeros until every rank has joined.");
 }
 
+// [Note: idle backoff]
+// A cycle costs every rank an exchange on the control plane (tens of microseconds
+// of CPU, more over Gloo), so cycling every HOROVOD_CYCLE_TIME while nothing happens
+// kept an idle rank at 5-25% of a core. While there is no work anywhere the idle
+// period doubles from the cycle time up to kMaxIdlePeriod, and any work brings it
+// back. This costs no latency: a rank wakes at once for its own new work, and an op
+// cannot complete before its last rank submits it; the earlier ranks already wait
+// in the exchange (the shared-memory plane sleeps on a futex there, see
+// [Note: sleeping in a round]; Gloo waits in a blocking receive) and the last one
+// joins them as soon as it submits. A peer's idle sleep only delays what needs no
+// new work from it: shutdown and stall reports, by at most kMaxIdlePeriod, which
+// stays far below the transport timeout (at least 1 s) a waiting rank allows.
+namespace {
+constexpr std::chrono::milliseconds kMaxIdlePeriod(100);
+}  // namespace
+
+Clock::duration Runtime::NextWait(bool busy, Clock::duration* idle_period) const {
+  const auto cycle = std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double, std::milli>(params_.cycle_time_ms));
+  // A rank whose tensors wait on other ranks cycles again within 50 us: they are
+  // about to meet it in the next exchange.
+  if (controller_.HasPending()) return std::min<Clock::duration>(std::chrono::microseconds(50), cycle);
+  if (busy) {
+    *idle_period = cycle;
+    return cycle;
+  }
+  const auto wait = std::max(*idle_period, cycle);
+  *idle_period = std::max<Clock::duration>(cycle, std::min<Clock::duration>(2 * wait, kMaxIdlePeriod));
+  if (*idle_period == kMaxIdlePeriod && wait < kMaxIdlePeriod)
+    HVDZ_LOG(logger_, kDebug) << "Idle: cycling every " << kMaxIdlePeriod.count() << " ms until new work";
+  return wait;
+}
+
 void Runtime::Loop() {
-  const auto period = std::chrono::duration<double, std::milli>(params_.cycle_time_ms);
   Status stopped = Status::Aborted(
       "horovod_zero has been shut down: call hvd.init() again before submitting more collectives.");
+  Clock::duration idle_period = Clock::duration::zero();
   while (true) {
     auto start = Clock::now();
     CycleResult result;
-    Status s = controller_.RunCycle(queue_.PopNewRequests(), shutdown_requested_.load(), &result);
+    std::vector<Request> fresh = queue_.PopNewRequests();
+    const bool busy = !fresh.empty();
+    Status s = controller_.RunCycle(fresh, shutdown_requested_.load(), &result);
     if (!s.ok()) {
       HVDZ_LOG(logger_, kError) << "Negotiation failed: " << s.reason();
       stopped = Status::Aborted("horovod_zero stopped after a communication failure (a peer may have "
@@ -201,14 +236,8 @@ void Runtime::Loop() {
       if (!shutdown_requested_) stopped = PeersLeft(result.shutdown_ranks);
       break;
     }
-    // Idle ranks cycle every HOROVOD_CYCLE_TIME. New work starts a cycle at once,
-    // and a rank whose tensors wait on other ranks cycles again within 50 us:
-    // those ranks are about to meet it in the next exchange, and sleeping out the
-    // period would add it to every collective's latency.
-    auto wait = controller_.HasPending() ? std::min<Clock::duration>(std::chrono::microseconds(50),
-                                                                     std::chrono::duration_cast<Clock::duration>(period))
-                                         : std::chrono::duration_cast<Clock::duration>(period);
-    queue_.WaitForWork(start + wait);
+    // New work starts a cycle at once (WaitForWork returns); see [Note: idle backoff].
+    queue_.WaitForWork(start + NextWait(busy || result.slow_path || !result.responses.empty(), &idle_period));
   }
   queue_.Close(stopped);
 }

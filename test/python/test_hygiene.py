@@ -1,0 +1,152 @@
+"""Runtime hygiene: debug logging that shows what the coordinator decides, Ctrl-C
+that interrupts a blocked wait, and an idle rank that costs next to no CPU."""
+
+import os
+import resource
+import signal
+import tempfile
+import threading
+import time
+
+import pytest
+import torch
+
+import horovod_zero.torch as hvd
+from harness import launch
+
+# --- logging -------------------------------------------------------------------------
+
+# The kinds of lines HOROVOD_LOG_LEVEL=debug must show, and the default must not.
+DEBUG_LINES = {
+    "cache miss": "Cache miss: allreduce 'log.a'",
+    "cache hit": "Cache hit: allreduce 'log.a'",
+    "coordinator": "Coordinator: ",
+    "fusion group": "Fusion group: allreduce of 3 tensor(s) ('log.g.0', 'log.g.1', 'log.g.2')",
+    "transport": "over Gloo (CPU)",
+    "stall": "Stall check: 'log.late' submitted by ranks [0]",
+}
+
+
+def _workload_with_stderr_to_file():
+    """Runs a little of everything with this process's stderr (fd 2, where the core
+    writes) in a file; returns what was written."""
+    with tempfile.TemporaryFile() as f:
+        saved = os.dup(2)
+        os.dup2(f.fileno(), 2)
+        try:
+            hvd.init()
+            hvd.allreduce(torch.ones(2), name="log.a")  # a miss
+            hvd.allreduce(torch.ones(2), name="log.a")  # then a hit
+            hvd.grouped_allreduce([torch.ones(3) for _ in range(3)], name="log.g")  # one fused group
+            if hvd.rank() == 1:
+                time.sleep(0.3)  # rank 0 waits on rank 1 for it
+            hvd.allreduce(torch.ones(2), name="log.late")
+            hvd.shutdown()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        f.seek(0)
+        return f.read().decode(errors="replace")
+
+
+@pytest.mark.parametrize("level", ["DEBUG", "trace"])
+def test_debug_level_shows_negotiation_fusion_transport_and_stalls(level):
+    res = launch(_workload_with_stderr_to_file, 2, env={"HOROVOD_LOG_LEVEL": level}, timeout=120)
+    assert sorted(res) == [0, 1], res
+    for rank, (status, text) in res.items():
+        assert status == "ok", text
+        for kind, line in DEBUG_LINES.items():
+            if kind in ("coordinator", "stall") and rank != 0:
+                continue  # rank 0 is the coordinator and inspects stalls
+            assert line in text, f"rank {rank}: no {kind} line ({line!r}) in:\n{text[-3000:]}"
+
+
+def test_default_level_prints_no_debug_lines():
+    res = launch(_workload_with_stderr_to_file, 2, timeout=120)
+    assert sorted(res) == [0, 1], res
+    for status, text in res.values():
+        assert status == "ok", text
+        assert " DEBUG " not in text and not any(line in text for line in DEBUG_LINES.values()), text[-3000:]
+
+
+# --- Ctrl-C --------------------------------------------------------------------------
+
+
+def _interrupt_after(seconds, when):
+    def fire():
+        when.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGINT)
+    t = threading.Timer(seconds, fire)
+    t.start()
+    return t
+
+
+def _interrupted_wait():
+    """Rank 0 waits for a tensor rank 1 has not submitted and gets SIGINT, first in
+    synchronize(handle), then in synchronize([handles]). Rank 1 submits it only
+    after both, so without the interrupt rank 0 would wait forever."""
+    hvd.init()
+    if hvd.rank() == 1:
+        hvd.allreduce(torch.ones(1), name="after_interrupts", op=hvd.Sum)
+        hvd.allreduce(torch.ones(2), name="never_yet", op=hvd.Sum)
+        hvd.shutdown()
+        return None
+    h = hvd.allreduce_async(torch.ones(2), name="never_yet", op=hvd.Sum)
+    delays = []
+    for wait in (lambda: hvd.synchronize(h), lambda: hvd.synchronize([h])):
+        when = []
+        _interrupt_after(0.5, when)
+        try:
+            wait()
+            delays.append(None)
+        except KeyboardInterrupt:
+            delays.append(time.monotonic() - when[0])
+    # The runtime goes on: a new op works, and the interrupted handle completes
+    # once rank 1 submits its tensor.
+    after = hvd.allreduce(torch.ones(1), name="after_interrupts", op=hvd.Sum).item()
+    late = hvd.synchronize(h).tolist()
+    hvd.shutdown()
+    return delays, after, late
+
+
+def test_ctrl_c_interrupts_a_blocked_synchronize_within_a_second():
+    res = launch(_interrupted_wait, 2, timeout=120)
+    assert sorted(res) == [0, 1], res
+    assert res[1][0] == "ok", res[1][1]
+    status, value = res[0]
+    assert status == "ok", value
+    delays, after, late = value
+    assert all(d is not None and d < 1.5 for d in delays), delays
+    assert after == 2.0 and late == [2.0, 2.0]
+
+
+# --- idle cost -----------------------------------------------------------------------
+
+
+def _cpu_seconds():
+    r = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this process
+    return r.ru_utime + r.ru_stime
+
+
+def _idle_cpu_percent():
+    hvd.init()
+    hvd.allreduce(torch.ones(2), name="idle.warm")
+    time.sleep(0.5)  # the idle period has backed off by now
+    c0, t0 = _cpu_seconds(), time.monotonic()
+    time.sleep(3.0)
+    pct = 100 * (_cpu_seconds() - c0) / (time.monotonic() - t0)
+    # Still responsive after idling.
+    assert hvd.allreduce(torch.ones(2), name="idle.after", op=hvd.Sum).tolist() == [2.0, 2.0]
+    hvd.shutdown()
+    return pct
+
+
+@pytest.mark.parametrize("control", ["shm", "gloo"])
+def test_an_idle_rank_uses_little_cpu(control):
+    """Loose bound (CI shares 2 cores): before the idle backoff, 4-27% of a core."""
+    env = {"HOROVOD_ZERO_SHM_CONTROL": "1" if control == "shm" else "0"}
+    res = launch(_idle_cpu_percent, 2, env=env, timeout=120)
+    assert sorted(res) == [0, 1], res
+    for status, pct in res.values():
+        assert status == "ok", pct
+        assert pct < 3.0, f"idle rank used {pct:.2f}% of a core over 3 s ({control} control plane)"
