@@ -290,6 +290,7 @@ class PyRuntime {
     d["copy_stream_bytes"] = p.copy_stream_bytes;
     d["cuda"] = rt_->has_cuda();
     d["slow_path_cycles"] = rt_->slow_path_cycles();
+    d["cpu_fusion_buffer_bytes"] = rt_->cpu_fusion_buffer_bytes();
     d["control_plane"] = rt_->control_plane_kind();
     return d;
   }

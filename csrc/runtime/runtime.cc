@@ -20,6 +20,7 @@ Runtime::Runtime(const WorldInfo& world, const Params& params, std::unique_ptr<C
       controller_(*control_, params_, logger_),
       executor_(world.rank, world.size, params.direct_max_tensors, timeline_, counters_),
       // A fused reduce-scatter needs its threshold plus one segment: keep twice that.
+      // A fused reduce-scatter needs its threshold plus one segment: keep twice that.
       cpu_ctx_(*cpu_comm_, *alloc_, 2 * std::max<int64_t>(params.fusion_threshold_bytes, 8 << 20)) {}
 
 Runtime::~Runtime() { Shutdown(); }
@@ -196,20 +197,25 @@ namespace {
 constexpr std::chrono::milliseconds kMaxIdlePeriod(100);
 }  // namespace
 
-Clock::duration Runtime::NextWait(bool busy, Clock::duration* idle_period) const {
+Clock::duration Runtime::NextWait(bool busy, Clock::duration* idle_period) {
   const auto cycle = std::chrono::duration_cast<Clock::duration>(
       std::chrono::duration<double, std::milli>(params_.cycle_time_ms));
   // A rank whose tensors wait on other ranks cycles again within 50 us: they are
   // about to meet it in the next exchange.
   if (controller_.HasPending()) return std::min<Clock::duration>(std::chrono::microseconds(50), cycle);
   if (busy) {
-    *idle_period = cycle;
+    *idle_period = Clock::duration::zero();
     return cycle;
   }
+  const bool backing_off = *idle_period < kMaxIdlePeriod;
   const auto wait = std::max(*idle_period, cycle);
   *idle_period = std::max<Clock::duration>(cycle, std::min<Clock::duration>(2 * wait, kMaxIdlePeriod));
-  if (*idle_period == kMaxIdlePeriod && wait < kMaxIdlePeriod)
-    HVDZ_LOG(logger_, kDebug) << "Idle: cycling every " << kMaxIdlePeriod.count() << " ms until new work";
+  if (backing_off && *idle_period >= kMaxIdlePeriod) {
+    HVDZ_LOG(logger_, kDebug) << "Idle: cycling every " << kMaxIdlePeriod.count()
+                              << " ms until new work; freeing the CPU fusion buffer (" << cpu_ctx_.buffer_bytes()
+                              << " bytes)";
+    cpu_ctx_.Release();  // an idle job holds no buffer; the next op allocates what it needs
+  }
   return wait;
 }
 

@@ -150,3 +150,44 @@ def test_an_idle_rank_uses_little_cpu(control):
     for status, pct in res.values():
         assert status == "ok", pct
         assert pct < 3.0, f"idle rank used {pct:.2f}% of a core over 3 s ({control} control plane)"
+
+
+# --- memory --------------------------------------------------------------------------
+
+N = 300_000  # 1.2 MB of floats: large enough to run in place rather than through the buffer
+
+
+def _large_groups_in_place():
+    """Grouped ops on large CPU tensors (each its own Gloo call, in place), checked
+    against the values every rank can work out, with the fusion buffer read right
+    after each: none is needed. Then small ones, and the buffer after idling."""
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    held = []
+    base = [torch.arange(N, dtype=torch.float32) * (i + 1) for i in range(3)]
+    sums = hvd.grouped_allreduce([b + r for b in base], name="mem.ar", op=hvd.Sum)
+    held.append(hvd.runtime_info()["cpu_fusion_buffer_bytes"])
+    gathered = hvd.grouped_allgather([b + r for b in base], name="mem.ag")
+    held.append(hvd.runtime_info()["cpu_fusion_buffer_bytes"])
+    scattered = hvd.grouped_reducescatter([b + r for b in base], name="mem.rs", op=hvd.Average)
+    held.append(hvd.runtime_info()["cpu_fusion_buffer_bytes"])
+    offset = sum(range(n))
+    rows = N // n
+    for i, b in enumerate(base):
+        assert torch.equal(sums[i], b * n + offset)
+        assert torch.equal(gathered[i], torch.cat([b + q for q in range(n)]))
+        assert torch.allclose(scattered[i], (b + offset / n)[r * rows:(r + 1) * rows])
+    hvd.grouped_allreduce([torch.ones(10) for _ in range(3)], name="mem.small")
+    time.sleep(0.5)  # idle: the runtime frees the buffer the small group used
+    idle = hvd.runtime_info()["cpu_fusion_buffer_bytes"]
+    hvd.shutdown()
+    return held, idle
+
+
+def test_large_cpu_tensors_need_no_fusion_buffer_and_an_idle_job_holds_none():
+    res = launch(_large_groups_in_place, 2, timeout=120)
+    assert sorted(res) == [0, 1], res
+    for status, value in res.values():
+        assert status == "ok", value
+        held, idle = value
+        assert held == [0, 0, 0] and idle == 0, value
