@@ -65,19 +65,17 @@ class _Choice:
         return word
 
 
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
 @dataclass(frozen=True)
 class _Bool:
+    """Horovod's switches are 1 or 0."""
+
     def accepts(self) -> str:
-        return "1 or 0 (also true/false, yes/no, on/off)"
+        return "1 or 0"
 
     def __call__(self, text: str):
-        word = text.strip().lower()
-        if word not in _TRUE + _FALSE:
+        if text.strip() not in ("0", "1"):
             raise ValueError
-        return word in _TRUE
+        return text.strip() == "1"
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ BAD = [
     ("HOROVOD_ZERO_DIRECT_MAX_TENSORS", "-2", "an integer >= -1"),
     ("HOROVOD_ZERO_COPY_STREAM_BYTES", "8M", "an integer >= 0"),
     ("HOROVOD_GLOO_IFACE", "no_such_if0", "a network interface of this host"),
-    ("HOROVOD_ZERO_SHM_CONTROL", "maybe", "1 or 0"),
+    ("HOROVOD_ZERO_SHM_CONTROL", "yes", "1 or 0"),
     ("HOROVOD_ZERO_BUCKET_BYTES", "32MiB", "an integer >= 0"),
     ("HOROVOD_ZERO_DOWNCAST", "2", "1 or 0"),
     ("HOROVOD_ZERO_INIT_CHUNK_BYTES", "0", "an integer >= 1"),
@@ -70,7 +70,7 @@ def test_defaults_and_accepted_spellings():
     assert settings.read_section("zero", {}) == dict(bucket_bytes=32 << 20, downcast=True, init_chunk_bytes=None,
                                                      prefetch=1)
     # horovodrun --log-level passes upper case; empty means unset, as in Horovod.
-    s = settings.read({"HOROVOD_LOG_LEVEL": "DEBUG", "HOROVOD_ZERO_SHM_CONTROL": "false", "HOROVOD_CYCLE_TIME": "",
+    s = settings.read({"HOROVOD_LOG_LEVEL": "DEBUG", "HOROVOD_ZERO_SHM_CONTROL": "0", "HOROVOD_CYCLE_TIME": "",
                        "HOROVOD_FUSION_THRESHOLD": " 0 "})
     assert (s.log_level, s.shm_control, s.cycle_time_ms, s.fusion_threshold_bytes) == ("debug", False, 1.0, 0)
 
