@@ -152,6 +152,36 @@ def test_an_idle_rank_uses_little_cpu(control):
         assert pct < 3.0, f"idle rank used {pct:.2f}% of a core over 3 s ({control} control plane)"
 
 
+def _ops_while_a_peer_is_joined():
+    """Rank 1 joins at once and has no work of its own after that; rank 0 runs
+    allreduces with idle gaps long enough for an idle rank to back off to 100 ms."""
+    hvd.init()
+    if hvd.rank() == 1:
+        hvd.join()
+        hvd.shutdown()
+        return None
+    times = []
+    for i in range(10):
+        time.sleep(0.15)
+        t0 = time.monotonic()
+        hvd.allreduce(torch.ones(2), name=f"joined.peer.{i % 2}", op=hvd.Sum)
+        times.append(time.monotonic() - t0)
+    hvd.join()
+    hvd.shutdown()
+    return sorted(times)[len(times) // 2]
+
+
+def test_a_joined_peer_does_not_back_off_while_the_others_run_ops():
+    """A joined rank takes part in every allreduce of the others without work of its
+    own: sleeping out an idle period there added 79 ms to each of them."""
+    res = launch(_ops_while_a_peer_is_joined, 2, timeout=120)
+    assert sorted(res) == [0, 1], res
+    assert res[1][0] == "ok", res[1][1]
+    status, median = res[0]
+    assert status == "ok", median
+    assert median < 0.03, f"median allreduce with a joined peer took {median * 1e3:.1f} ms"
+
+
 # --- memory --------------------------------------------------------------------------
 
 N = 300_000  # 1.2 MB of floats: large enough to run in place rather than through the buffer
