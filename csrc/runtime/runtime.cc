@@ -190,9 +190,11 @@ Status Runtime::PeersLeft(const std::vector<int>& ranks) {
 // cannot complete before its last rank submits it; the earlier ranks already wait
 // in the exchange (the shared-memory plane sleeps on a futex there, see
 // [Note: sleeping in a round]; Gloo waits in a blocking receive) and the last one
-// joins them as soon as it submits. A peer's idle sleep only delays what needs no
-// new work from it: shutdown and stall reports, by at most kMaxIdlePeriod, which
-// stays far below the transport timeout (at least 1 s) a waiting rank allows.
+// joins them as soon as it submits. The exception, a rank that has joined and
+// stands in for tensors it will never submit, counts as pending and never backs
+// off (Controller::HasPending). A peer's idle sleep only delays what needs no new
+// work from it: shutdown and stall reports, by at most kMaxIdlePeriod, which stays
+// far below the transport timeout (at least 1 s) a waiting rank allows.
 namespace {
 constexpr std::chrono::milliseconds kMaxIdlePeriod(100);
 }  // namespace
