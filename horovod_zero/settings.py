@@ -121,7 +121,7 @@ VARIABLES = (
              "bytes per fusion buffer; 0 turns fusion off"),
     Variable("HOROVOD_CYCLE_TIME", "cycle_time_ms", "core", _Number(float, 0.01, 100.0), 1.0,
              "milliseconds between negotiation cycles while there is work; idle, the period doubles up to "
-             "100 ms; new work starts a cycle at once"),
+             "250 ms; new work starts a cycle at once"),
     Variable("HOROVOD_CACHE_CAPACITY", "cache_capacity", "core", _Number(int, 0, 1 << 20), 1024,
              "response cache entries; 0 turns the cache off"),
     Variable("HOROVOD_TIMELINE", "timeline_path", "core", _Text(), "",

@@ -193,10 +193,12 @@ Status Runtime::PeersLeft(const std::vector<int>& ranks) {
 // joins them as soon as it submits. The exception, a rank that has joined and
 // stands in for tensors it will never submit, counts as pending and never backs
 // off (Controller::HasPending). A peer's idle sleep only delays what needs no new
-// work from it: shutdown and stall reports, by at most kMaxIdlePeriod, which stays
-// far below the transport timeout (at least 1 s) a waiting rank allows.
+// work from it: shutdown and stall reports, by at most kMaxIdlePeriod, a quarter of
+// the shortest transport timeout (1 s) a waiting rank allows. At 250 ms an idle
+// rank costs 0.3-0.8% of a core, most of it Gloo's own TCP loop; at 100 ms it was
+// 0.5-2.8% (2 ranks, examples/bench_idle.py).
 namespace {
-constexpr std::chrono::milliseconds kMaxIdlePeriod(100);
+constexpr std::chrono::milliseconds kMaxIdlePeriod(250);
 }  // namespace
 
 Clock::duration Runtime::NextWait(bool busy, Clock::duration* idle_period) {

@@ -70,7 +70,7 @@ TEST(CpuFusionBuffer, TheRuntimeHoldsWhatItsOpsNeededUntilItGoesIdle) {
   std::vector<std::vector<float>> large(2, std::vector<float>(1 << 20, 1.0f));
   Allreduce(rt, large, "large.");
   EXPECT_LE(rt.cpu_fusion_buffer_bytes(), kSmallGroup);
-  // Idle for ~130 ms (doubling from 1 ms to 100 ms): the buffer goes.
+  // Idle for ~255 ms (doubling from 1 ms to 250 ms): the buffer goes.
   Allreduce(rt, small, "again.");
   for (int i = 0; i < 100 && rt.cpu_fusion_buffer_bytes() != 0; ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
