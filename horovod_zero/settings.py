@@ -136,8 +136,9 @@ VARIABLES = (
     Variable("HOROVOD_GLOO_TIMEOUT_SECONDS", "transport_timeout_seconds", "core", _Number(float, 1, 86400), 30.0,
              "rendezvous, negotiation and collective timeout: a dead or silent peer becomes an error after it"),
     Variable("HOROVOD_ZERO_DIRECT_MAX_TENSORS", "direct_max_tensors", "core", _Number(int, -1), -1,
-             "most tensors in a direct group (large tensors in place, each its own NCCL or Gloo call, no "
-             "fusion buffer); 0: never; -1: any number up to 4 ranks, 16 beyond"),
+             "most tensors in a direct group (large tensors in place, each its own call, no fusion buffer: "
+             "NCCL, and Gloo for allgather, reducescatter and broadcast); 0: never; -1: any number up to 4 "
+             "ranks, 16 beyond"),
     Variable("HOROVOD_ZERO_COPY_STREAM_BYTES", "copy_stream_bytes", "core", _Number(int, 0), 8 * _MiB,
              "fused CUDA ops of at least this many bytes copy on side streams; 0: never"),
     Variable("HOROVOD_GLOO_IFACE", "gloo_iface", "job", _Interface(), "",
