@@ -3,9 +3,8 @@ that interrupts a blocked wait, and an idle rank that costs next to no CPU."""
 
 import os
 import resource
-import signal
+import subprocess
 import tempfile
-import threading
 import time
 
 import pytest
@@ -73,12 +72,11 @@ def test_default_level_prints_no_debug_lines():
 
 
 def _interrupt_after(seconds, when):
-    def fire():
-        when.append(time.monotonic())
-        os.kill(os.getpid(), signal.SIGINT)
-    t = threading.Timer(seconds, fire)
-    t.start()
-    return t
+    """SIGINT from another process, as a terminal's Ctrl-C sends it: the kernel
+    delivers it to the main thread, which is blocked in the wait. `when` gets the
+    time it was sent, give or take starting `sh`."""
+    when.append(time.monotonic() + seconds)
+    return subprocess.Popen(["sh", "-c", f"sleep {seconds}; kill -INT {os.getpid()}"])
 
 
 def _interrupted_wait():
@@ -95,12 +93,13 @@ def _interrupted_wait():
     delays = []
     for wait in (lambda: hvd.synchronize(h), lambda: hvd.synchronize([h])):
         when = []
-        _interrupt_after(0.5, when)
+        killer = _interrupt_after(0.5, when)
         try:
             wait()
             delays.append(None)
         except KeyboardInterrupt:
             delays.append(time.monotonic() - when[0])
+        killer.wait()
     # The runtime goes on: a new op works, and the interrupted handle completes
     # once rank 1 submits its tensor.
     after = hvd.allreduce(torch.ones(1), name="after_interrupts", op=hvd.Sum).item()
