@@ -40,10 +40,7 @@ class _Number:
         return f"{what} >= {lo}" if self.hi is None else f"{what} from {lo} to {hi}"
 
     def __call__(self, text: str):
-        try:
-            v = self.kind(text.strip())
-        except ValueError:
-            raise ValueError from None
+        v = self.kind(text.strip())  # ValueError when it is no number of this kind
         if isinstance(v, float) and not math.isfinite(v):
             raise ValueError
         if v < self.lo or (self.hi is not None and v > self.hi):
