@@ -141,11 +141,11 @@ Status Validate(const OpArgs& a, const std::string& name, DataType dt, DataType 
 class PyRuntime {
  public:
   // `shm_name` non-empty: every rank is on this host, negotiate through shared memory.
+  // `p`: the settings horovod_zero/settings.py read and validated.
   PyRuntime(py::object internal_error, GlooBackend backend, int rank, int size, int local_rank, int local_size,
-            int cross_rank, int cross_size, const std::string& shm_name)
+            int cross_rank, int cross_size, const std::string& shm_name, const Params& p)
       : internal_error_(std::move(internal_error)) {
     std::string warnings;
-    Params p = Params::FromEnvironment(&warnings);
     WorldInfo w{rank, size, local_rank, local_size, cross_rank, cross_size};
     std::unique_ptr<ControlPlane> control;
     if (!shm_name.empty()) {
@@ -196,24 +196,17 @@ class PyRuntime {
   }
 
   py::object Wait(int64_t h) {
-    Status s;
-    {
-      py::gil_scoped_release nogil;
-      s = rt_->handles().Wait(h);
-    }
+    Status s = WaitInterruptibly({h}).front();
     py::object out = TakeOutput(h);
     Check(s);
     return out;
   }
 
-  // Many handles for one release of the GIL. Every handle is waited for and
-  // released before the first failure (in order) is raised, so none is left behind.
+  // Many handles for few releases of the GIL. Every handle is waited for and
+  // released before the first failure (in order) is raised, so none is left behind;
+  // an interrupt (Ctrl-C) releases none of them.
   std::vector<py::object> WaitAll(const std::vector<int64_t>& hs) {
-    std::vector<Status> st(hs.size());
-    {
-      py::gil_scoped_release nogil;
-      for (size_t i = 0; i < hs.size(); ++i) st[i] = rt_->handles().Wait(hs[i]);
-    }
+    std::vector<Status> st = WaitInterruptibly(hs);
     std::vector<py::object> out;
     out.reserve(hs.size());
     for (auto h : hs) out.push_back(TakeOutput(h));
@@ -292,8 +285,12 @@ class PyRuntime {
     d["stall_check_seconds"] = p.stall_check_seconds;
     d["stall_shutdown_seconds"] = p.stall_shutdown_seconds;
     d["gloo_timeout_seconds"] = p.transport_timeout_seconds;
+    d["log_level"] = LogLevelName(p.log_level);
+    d["direct_max_tensors"] = p.direct_max_tensors;
+    d["copy_stream_bytes"] = p.copy_stream_bytes;
     d["cuda"] = rt_->has_cuda();
     d["slow_path_cycles"] = rt_->slow_path_cycles();
+    d["cpu_fusion_buffer_bytes"] = rt_->cpu_fusion_buffer_bytes();
     d["control_plane"] = rt_->control_plane_kind();
     return d;
   }
@@ -381,6 +378,32 @@ class PyRuntime {
     return Status::OK();
   }
 
+  // [Note: interruptible waits]
+  // A wait releases the GIL, so Python cannot run its signal handlers meanwhile:
+  // waiting in one piece would ignore Ctrl-C until the op finished or timed out.
+  // Waiting in slices, with the GIL held between them to run the handlers, lets
+  // KeyboardInterrupt (or any exception a handler raises) out within a slice. The
+  // op itself goes on, and its handle stays valid for a later synchronize().
+  std::vector<Status> WaitInterruptibly(const std::vector<int64_t>& hs) {
+    constexpr std::chrono::milliseconds kSlice(50);
+    std::vector<Status> st(hs.size());
+    size_t next = 0;  // handles before it are done
+    while (true) {
+      {
+        py::gil_scoped_release nogil;
+        const auto deadline = std::chrono::steady_clock::now() + kSlice;
+        while (next < hs.size()) {
+          bool done = false;
+          st[next] = rt_->handles().WaitUntil(hs[next], deadline, &done);
+          if (!done) break;
+          ++next;
+        }
+      }
+      if (next == hs.size()) return st;
+      if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+    }
+  }
+
   // Called with the GIL held: the input and output may be dropped here for the last time.
   py::object TakeOutput(int64_t h) {
     auto kept = std::static_pointer_cast<Kept>(rt_->handles().Release(h));
@@ -421,15 +444,33 @@ PYBIND11_MODULE(_core, m) {
            py::arg("reduce_op"), py::arg("prescale"), py::arg("postscale"), py::arg("root"),
            py::arg("output_dtype"));
 
+  // Filled by horovod_zero/settings.py: core_params(), which names these fields.
+  py::class_<Params>(m, "Params")
+      .def(py::init<>())
+      .def_readwrite("fusion_threshold_bytes", &Params::fusion_threshold_bytes)
+      .def_readwrite("cycle_time_ms", &Params::cycle_time_ms)
+      .def_readwrite("cache_capacity", &Params::cache_capacity)
+      .def_readwrite("timeline_path", &Params::timeline_path)
+      .def_property(
+          "log_level", [](const Params& p) { return std::string(LogLevelName(p.log_level)); },
+          [](Params& p, const std::string& s) {
+            if (!ParseLogLevel(s, &p.log_level)) throw py::value_error("Unknown log level '" + s + "'.");
+          })
+      .def_readwrite("stall_check_seconds", &Params::stall_check_seconds)
+      .def_readwrite("stall_shutdown_seconds", &Params::stall_shutdown_seconds)
+      .def_readwrite("transport_timeout_seconds", &Params::transport_timeout_seconds)
+      .def_readwrite("direct_max_tensors", &Params::direct_max_tensors)
+      .def_readwrite("copy_stream_bytes", &Params::copy_stream_bytes);
+
   py::class_<PyRuntime>(m, "Runtime")
       .def(py::init([internal_error](GlooBackend backend, int rank, int size, int local_rank, int local_size,
-                                     int cross_rank, int cross_size, const std::string& shm_name) {
+                                     int cross_rank, int cross_size, const std::string& shm_name, const Params& p) {
              return std::make_unique<PyRuntime>(internal_error, std::move(backend), rank, size, local_rank, local_size,
-                                                cross_rank, cross_size, shm_name);
+                                                cross_rank, cross_size, shm_name, p);
            }),
            py::arg("backend"),
            py::arg("rank"), py::arg("size"), py::arg("local_rank"), py::arg("local_size"), py::arg("cross_rank"),
-           py::arg("cross_size"), py::arg("shm_name") = "")
+           py::arg("cross_size"), py::arg("shm_name"), py::arg("params"))
       .def("enqueue", &PyRuntime::Enqueue)
       .def("enqueue_one", &PyRuntime::EnqueueOne)
       .def("enqueue_alltoall", &PyRuntime::EnqueueAlltoall, py::arg("tensor"), py::arg("splits"), py::arg("name"),

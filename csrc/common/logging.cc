@@ -7,16 +7,23 @@
 
 namespace hvdz {
 
-LogLevel ParseLogLevel(const std::string& s) {
+namespace {
+const char* const kWords[] = {"trace", "debug", "info", "warning", "error", "fatal"};
+}  // namespace
+
+bool ParseLogLevel(const std::string& s, LogLevel* out) {
   std::string l = s;
   std::transform(l.begin(), l.end(), l.begin(), ::tolower);
-  if (l == "trace") return LogLevel::kTrace;
-  if (l == "debug") return LogLevel::kDebug;
-  if (l == "info") return LogLevel::kInfo;
-  if (l == "error") return LogLevel::kError;
-  if (l == "fatal") return LogLevel::kFatal;
-  return LogLevel::kWarning;
+  for (int i = 0; i < 6; ++i) {
+    if (l == kWords[i]) {
+      *out = static_cast<LogLevel>(i);
+      return true;
+    }
+  }
+  return false;
 }
+
+const char* LogLevelName(LogLevel l) { return kWords[static_cast<int>(l)]; }
 
 void Logger::Write(LogLevel l, const char* file, int line, const std::string& msg) const {
   static const char* kNames[] = {"TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL"};

@@ -9,8 +9,10 @@ namespace hvdz {
 
 enum class LogLevel { kTrace = 0, kDebug, kInfo, kWarning, kError, kFatal };
 
-// Parses HOROVOD_LOG_LEVEL's words; unknown words fall back to warning.
-LogLevel ParseLogLevel(const std::string& s);
+// HOROVOD_LOG_LEVEL's words (trace, debug, info, warning, error, fatal), any case;
+// false for any other word.
+bool ParseLogLevel(const std::string& s, LogLevel* out);
+const char* LogLevelName(LogLevel l);  // lower case, as ParseLogLevel takes it
 
 class Logger {
  public:
@@ -39,6 +41,20 @@ class LogLine {
   int line_;
   std::ostringstream os_;
 };
+
+// "'a', 'b', 'c' and 5 more": the names of `items` (name(item) for each) for a log
+// line, at most `max` of them, so one line stays short however big the batch.
+template <typename Items, typename Name>
+std::string NameList(const Items& items, Name name, size_t max = 8) {
+  std::ostringstream os;
+  size_t n = 0;
+  for (const auto& it : items) {
+    if (n == max) break;
+    os << (n++ ? ", '" : "'") << name(it) << "'";
+  }
+  if (items.size() > max) os << " and " << items.size() - max << " more";
+  return os.str();
+}
 
 #define HVDZ_LOG(logger, LEVEL)                                  \
   if (!(logger).Enabled(::hvdz::LogLevel::LEVEL)) {              \

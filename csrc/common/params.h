@@ -1,4 +1,6 @@
-// Every HOROVOD_* setting the core reads, declared once with its default.
+// Every HOROVOD_* setting the core uses, with its default. horovod_zero/settings.py
+// reads and validates the environment (one table for the whole package) and fills
+// this at init(); the core reads no environment, and C++ tests set fields directly.
 #pragma once
 
 #include <cstdint>
@@ -19,10 +21,6 @@ struct Params {
   double transport_timeout_seconds = 30.0;               // HOROVOD_GLOO_TIMEOUT_SECONDS
   int direct_max_tensors = -1;  // HOROVOD_ZERO_DIRECT_MAX_TENSORS; 0: never; -1: by world size (ops/plan_direct.cc)
   int64_t copy_stream_bytes = 8ll * 1024 * 1024;         // HOROVOD_ZERO_COPY_STREAM_BYTES; 0: never
-
-  // Reads the environment; a value that does not parse keeps the default and is
-  // reported in *warnings so that the caller can log it once a logger exists.
-  static Params FromEnvironment(std::string* warnings);
 };
 
 }  // namespace hvdz

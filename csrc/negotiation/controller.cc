@@ -8,6 +8,9 @@ namespace {
 bool TestBit(const std::vector<uint64_t>& v, uint32_t pos) { return (v[pos / 64] >> (pos % 64)) & 1; }
 void SetBit(std::vector<uint64_t>* v, uint32_t pos) { (*v)[pos / 64] |= uint64_t{1} << (pos % 64); }
 
+const std::string& NameOf(const Response& r) { return r.name; }
+const std::string& NameOfRequest(const Request& r) { return r.name; }
+
 template <typename F>
 void ForEachBit(const std::vector<uint64_t>& v, F f) {
   for (size_t w = 0; w < v.size(); ++w) {
@@ -36,12 +39,19 @@ void Controller::Classify(const Request& r) {
   uint32_t pos = 0;
   switch (cache_.Find(r, &pos)) {
     case ResponseCache::Lookup::kHit:
+      HVDZ_LOG(log_, kDebug) << "Cache hit: " << OpTypeName(r.op) << " '" << r.name << "' (position " << pos
+                             << "), ready once every rank has it";
       pending_hits_[pos] = r;
       return;
     case ResponseCache::Lookup::kInvalid:
+      HVDZ_LOG(log_, kDebug) << "Cache entry of '" << r.name << "' no longer matches its " << OpTypeName(r.op)
+                             << " request: evicting it on every rank and negotiating again";
       SetBit(&my_invalid_, pos);
-      [[fallthrough]];
+      unsent_.push_back(r);
+      return;
     case ResponseCache::Lookup::kMiss:
+      HVDZ_LOG(log_, kDebug) << "Cache miss: " << OpTypeName(r.op) << " '" << r.name
+                             << "' goes to the coordinator";
       unsent_.push_back(r);
       return;
   }
@@ -109,6 +119,8 @@ void Controller::CollectReady(const std::vector<Header>& all, const std::vector<
     cache_.Touch(pos);
     pending_hits_.erase(pos);
   });
+  if (!out->responses.empty())
+    HVDZ_LOG(log_, kDebug) << "Cached responses ready on every rank: " << NameList(out->responses, NameOf);
 }
 
 void Controller::InspectStalls(const std::vector<Header>& all, const std::vector<uint64_t>& invalid_any,
@@ -135,8 +147,27 @@ void Controller::InspectStalls(const std::vector<Header>& all, const std::vector
   for (size_t i = before; i < stall_errors_.size(); ++i) coordinator_.Drop(stall_errors_[i].name);
 }
 
+void Controller::LogDecisions(const std::vector<Response>& resps) const {
+  if (!log_.Enabled(LogLevel::kDebug)) return;
+  std::vector<const Response*> ok, errors;
+  for (const auto& r : resps) {
+    if (r.ok()) ok.push_back(&r);
+    else errors.push_back(&r);
+  }
+  std::vector<WaitingTensor> waiting;
+  coordinator_.AppendWaiting(&waiting);
+  HVDZ_LOG(log_, kDebug) << "Coordinator: " << ok.size() << " tensor(s) ready on every rank"
+                         << (ok.empty() ? "" : ": ") << NameList(ok, [](const Response* r) { return r->name; })
+                         << "; " << waiting.size() << " still waiting for other ranks"
+                         << (waiting.empty() ? "" : ": ")
+                         << NameList(waiting, [](const WaitingTensor& w) { return w.name; });
+  for (const Response* e : errors) HVDZ_LOG(log_, kDebug) << "Coordinator: error for '" << e->name << "': " << e->error;
+}
+
 Status Controller::SlowPath(const std::vector<bool>& joined, std::vector<Response>* out) {
   ++slow_path_cycles_;
+  HVDZ_LOG(log_, kDebug) << "Slow path: " << unsent_.size() << " request(s) of this rank to the coordinator"
+                         << (unsent_.empty() ? "" : ": ") << NameList(unsent_, NameOfRequest);
   std::vector<uint8_t> payload;
   SerializeRequests(unsent_, &payload);
   for (const auto& r : unsent_) awaiting_.insert(r.name);
@@ -157,6 +188,7 @@ Status Controller::SlowPath(const std::vector<bool>& joined, std::vector<Respons
     coordinator_.Sweep(joined, &resps);
     resps.insert(resps.end(), stall_errors_.begin(), stall_errors_.end());
     stall_errors_.clear();
+    LogDecisions(resps);
     SerializeResponses(resps, &reply);
   }
   HVDZ_RETURN_IF_ERROR(cp_.Broadcast(&reply));

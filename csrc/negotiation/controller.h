@@ -49,9 +49,10 @@ class Controller {
   Controller(ControlPlane& cp, const Params& params, const Logger& log);
   Status RunCycle(const std::vector<Request>& new_requests, bool want_shutdown, CycleResult* out);
 
-  // Whether this rank has submitted tensors that are not ready yet, i.e. it is
-  // waiting on other ranks and should cycle again soon.
-  bool HasPending() const { return !pending_hits_.empty() || !unsent_.empty() || !awaiting_.empty(); }
+  // Whether this rank has submitted tensors that are not ready yet, or has joined
+  // (the others' allreduces need it in every exchange), i.e. it is waiting on other
+  // ranks and should cycle again soon.
+  bool HasPending() const { return !pending_hits_.empty() || !unsent_.empty() || !awaiting_.empty() || joined_; }
   const ResponseCache& cache() const { return cache_; }
   uint64_t slow_path_cycles() const { return slow_path_cycles_; }
 
@@ -76,6 +77,7 @@ class Controller {
   void InspectStalls(const std::vector<Header>& all, const std::vector<uint64_t>& invalid_any,
                      const std::vector<bool>& joined);
   Status SlowPath(const std::vector<bool>& joined, std::vector<Response>* out);
+  void LogDecisions(const std::vector<Response>& resps) const;  // rank 0, debug level
   void Admit(const std::vector<Response>& fresh);
   void Requeue(uint32_t pos);
 

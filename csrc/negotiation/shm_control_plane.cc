@@ -1,10 +1,12 @@
 #include "negotiation/shm_control_plane.h"
 
 #include <fcntl.h>
+#include <linux/futex.h>
 #include <signal.h>
 #include <sched.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -18,12 +20,27 @@
 namespace hvdz {
 namespace {
 
-constexpr size_t kLine = 64;  // one rank's line: its sequence counter, then its pid
+// Layout: one line per rank (its sequence counter, then its pid), one line for the
+// wake-up words (see [Note: sleeping in a round]), then the slots.
+constexpr size_t kLine = 64;
 // A slot: total payload length, this round's chunk length, the chunk.
 constexpr size_t kSlotHeader = 16;
 constexpr size_t kSlotStride = kSlotHeader + ShmControlPlane::kSlotBytes;
 
-size_t SegmentBytes(int size) { return kLine * size + 2 * kSlotStride * size; }
+size_t SegmentBytes(int size) { return kLine * (size + 1) + 2 * kSlotStride * size; }
+
+// Sleeps while *word == expected, at most `d`; a shared (not process-private) futex,
+// so that a FUTEX_WAKE from another process reaches it.
+void FutexWait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::nanoseconds d) {
+  struct timespec ts;
+  ts.tv_sec = static_cast<time_t>(d.count() / 1000000000);
+  ts.tv_nsec = static_cast<long>(d.count() % 1000000000);
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+void FutexWakeAll(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+}
 
 using SteadyClock = std::chrono::steady_clock;
 
@@ -65,13 +82,44 @@ std::string ShmControlPlane::DeadPeers(uint64_t target) {
   return dead;
 }
 
+std::atomic<uint32_t>& ShmControlPlane::Arrivals() {
+  return *reinterpret_cast<std::atomic<uint32_t>*>(static_cast<char*>(base_) + kLine * size_);
+}
+
+std::atomic<uint32_t>& ShmControlPlane::Sleepers() {
+  return *reinterpret_cast<std::atomic<uint32_t>*>(static_cast<char*>(base_) + kLine * size_ + 4);
+}
+
 uint8_t* ShmControlPlane::Slot(int parity, int r) {
-  return static_cast<uint8_t*>(base_) + kLine * size_ + (parity * size_ + r) * kSlotStride;
+  return static_cast<uint8_t*>(base_) + kLine * (size_ + 1) + (parity * size_ + r) * kSlotStride;
+}
+
+bool ShmControlPlane::AllReached(uint64_t target) {
+  for (int r = 0; r < size_; ++r)
+    if (Seq(r).load(std::memory_order_acquire) < target) return false;
+  return true;
+}
+
+// [Note: sleeping in a round]
+// A rank that has work enters the round at once, while its peers may be idle and
+// sleeping out a long idle period (runtime.cc); it must wait for them without
+// burning a core. Past the first 100 us it sleeps on a futex, and every arrival
+// wakes the sleepers. The order makes a lost wake-up impossible: a sleeper counts
+// itself in Sleepers, reads Arrivals, checks the counters once more, then sleeps
+// only while Arrivals is unchanged; an arriver publishes its counter, bumps
+// Arrivals, then wakes if anyone counted itself. (Sequentially consistent, so one
+// of the two sees the other.) Arrivers skip the system call when nobody sleeps.
+void ShmControlPlane::Sleep(uint64_t target, std::chrono::nanoseconds at_most) {
+  Sleepers().fetch_add(1);
+  const uint32_t seen = Arrivals().load();
+  if (!AllReached(target)) FutexWait(&Arrivals(), seen, at_most);
+  Sleepers().fetch_sub(1);
 }
 
 Status ShmControlPlane::Create(const std::string& name, int rank, int size, double timeout_s,
                                std::unique_ptr<ShmControlPlane>* out) {
   static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared atomics must be lock-free");
+  static_assert(sizeof(std::atomic<uint32_t>) == 4, "the futex word is a plain 32-bit integer");
   const size_t bytes = SegmentBytes(size);
   const auto deadline = SteadyClock::now() + std::chrono::duration<double>(timeout_s);
   int fd = -1;
@@ -112,15 +160,16 @@ Status ShmControlPlane::Create(const std::string& name, int rank, int size, doub
 Status ShmControlPlane::Arrive() {
   const uint64_t target = ++round_;
   Seq(rank_).store(target, std::memory_order_release);
+  Arrivals().fetch_add(1);
+  if (Sleepers().load() != 0) FutexWakeAll(&Arrivals());
   const auto start = SteadyClock::now();
   auto last_check = start;
   while (true) {
-    bool all = true;
-    for (int r = 0; r < size_ && all; ++r) all = Seq(r).load(std::memory_order_acquire) >= target;
-    if (all) return Status::OK();
-    // Peers with work arrive within microseconds: spin for them. Idle cycles wait up
-    // to a cycle time for the slowest rank: yield, then sleep, so waiting costs
-    // little CPU (these phases are bounded by time, not by iterations).
+    if (AllReached(target)) return Status::OK();
+    // Peers with work arrive within microseconds: spin for them, then yield. Idle
+    // peers may sleep out their idle period: sleep until an arrival wakes us, waking
+    // every 100 ms to look for dead peers (these phases are bounded by time, not by
+    // iterations).
     const auto now = SteadyClock::now();
     const double waited_us = std::chrono::duration<double, std::micro>(now - start).count();
     if (waited_us < 20) continue;
@@ -128,27 +177,32 @@ Status ShmControlPlane::Arrive() {
       sched_yield();
       continue;
     }
-    std::this_thread::sleep_for(std::chrono::microseconds(50));
-    if (now - last_check < std::chrono::milliseconds(100)) continue;
-    last_check = now;
-    std::string dead = DeadPeers(target);
-    if (!dead.empty())
-      return Status::Aborted("ranks [" + dead + "] exited (their processes are gone) before negotiation round " +
-                             std::to_string(target) + " (shared-memory control plane)");
-    if (waited_us > timeout_s_ * 1e6) {
-      std::ostringstream os;
-      os << "ranks [";
-      const char* sep = "";
-      for (int r = 0; r < size_; ++r)
-        if (Seq(r).load(std::memory_order_acquire) < target) {
-          os << sep << r;
-          sep = ", ";
-        }
-      os << "] did not reach negotiation round " << target << " within " << static_cast<int>(timeout_s_)
-         << " s (shared-memory control plane)";
-      return Status::Aborted(os.str());
+    if (now - last_check >= std::chrono::milliseconds(100)) {
+      last_check = now;
+      HVDZ_RETURN_IF_ERROR(CheckPeers(target, waited_us));
     }
+    Sleep(target, last_check + std::chrono::milliseconds(100) - now);
   }
+}
+
+// A dead peer, or the timeout, ends the wait with an error naming the missing ranks.
+Status ShmControlPlane::CheckPeers(uint64_t target, double waited_us) {
+  std::string dead = DeadPeers(target);
+  if (!dead.empty())
+    return Status::Aborted("ranks [" + dead + "] exited (their processes are gone) before negotiation round " +
+                           std::to_string(target) + " (shared-memory control plane)");
+  if (waited_us <= timeout_s_ * 1e6) return Status::OK();
+  std::ostringstream os;
+  os << "ranks [";
+  const char* sep = "";
+  for (int r = 0; r < size_; ++r)
+    if (Seq(r).load(std::memory_order_acquire) < target) {
+      os << sep << r;
+      sep = ", ";
+    }
+  os << "] did not reach negotiation round " << target << " within " << static_cast<int>(timeout_s_)
+     << " s (shared-memory control plane)";
+  return Status::Aborted(os.str());
 }
 
 Status ShmControlPlane::Exchange(const uint8_t* data, size_t n, std::vector<std::vector<uint8_t>>* all) {

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -42,8 +43,13 @@ class ShmControlPlane : public ControlPlane {
   // Every rank's bytes, in rank order.
   Status Exchange(const uint8_t* data, size_t n, std::vector<std::vector<uint8_t>>* all);
   Status Arrive();  // publish this round and wait for every rank to reach it
+  bool AllReached(uint64_t target);
+  void Sleep(uint64_t target, std::chrono::nanoseconds at_most);
+  Status CheckPeers(uint64_t target, double waited_us);
   std::atomic<uint64_t>& Seq(int r);
   std::atomic<int64_t>& Pid(int r);
+  std::atomic<uint32_t>& Arrivals();  // bumped by every arrival; the futex sleepers wait on
+  std::atomic<uint32_t>& Sleepers();  // ranks asleep (or about to be) in a round
   std::string DeadPeers(uint64_t target);
   uint8_t* Slot(int parity, int r);
 

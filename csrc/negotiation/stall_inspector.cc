@@ -28,6 +28,9 @@ void StallInspector::Inspect(const std::vector<WaitingTensor>& waiting, Clock::t
   std::unordered_map<std::string, Seen> still;
   for (const auto& w : waiting) {
     auto it = seen_.find(w.name);
+    if (it == seen_.end())
+      HVDZ_LOG(log_, kDebug) << "Stall check: '" << w.name << "' submitted by ranks " << RankList(w.present_ranks)
+                             << ", waiting for the others";
     Seen s = it == seen_.end() ? Seen{now, now, false} : it->second;
     double age = Seconds(now - s.first);
     if (shutdown_s_ > 0 && age >= shutdown_s_) {

@@ -2,6 +2,7 @@
 // a fusion buffer, and a way to hand finished tensors back.
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <vector>
 
@@ -36,8 +37,10 @@ class DeviceContext {
 };
 
 // CPU tensors: Gloo for the collective, plain loops for copies, done when returned.
-// A buffer grown past `keep_buffer_bytes` (by one tensor larger than the fusion
-// threshold) is freed after its op rather than held for the whole job.
+// The fusion buffer has the size the largest op since it was last freed asked for,
+// never more. It is kept across ops while the job is busy, freed after an op that
+// grew it past `keep_buffer_bytes` (one tensor larger than the fusion threshold),
+// and freed by Release() when the runtime goes idle, so an idle job holds none.
 class CpuContext : public DeviceContext {
  public:
   CpuContext(Communicator& comm, Allocator& alloc, int64_t keep_buffer_bytes)
@@ -47,6 +50,9 @@ class CpuContext : public DeviceContext {
   Status Copy(const std::vector<CopyDesc>& descs, DataType src, DataType dst, double scale, CopyStage) override;
   Status FusionBuffer(size_t bytes, void** ptr) override;
   void Finish(std::vector<TensorEntry> entries, const Status& s) override;
+  void Release();
+  // The buffer held now; readable from any thread.
+  int64_t buffer_bytes() const { return held_bytes_.load(std::memory_order_relaxed); }
 
  private:
   Communicator& comm_;
@@ -54,6 +60,7 @@ class CpuContext : public DeviceContext {
   int64_t keep_buffer_bytes_;
   TensorDesc buffer_;
   std::shared_ptr<void> buffer_holder_;
+  std::atomic<int64_t> held_bytes_{0};
 };
 
 }  // namespace hvdz

@@ -45,6 +45,15 @@ Status HandleTable::Wait(int64_t handle) {
   return states_.at(handle).status;
 }
 
+Status HandleTable::WaitUntil(int64_t handle, std::chrono::steady_clock::time_point deadline, bool* done) {
+  std::unique_lock<std::mutex> lk(mu_);
+  *done = true;
+  auto it = states_.find(handle);
+  if (it == states_.end()) return Unknown(handle);
+  *done = cv_.wait_until(lk, deadline, [&] { return states_.at(handle).done; });
+  return *done ? states_.at(handle).status : Status::OK();
+}
+
 std::shared_ptr<void> HandleTable::Release(int64_t handle) {
   std::lock_guard<std::mutex> lk(mu_);
   auto it = states_.find(handle);

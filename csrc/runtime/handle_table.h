@@ -3,6 +3,7 @@
 // Release hands it back, so the framework drops its objects on its own thread.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
@@ -21,6 +22,9 @@ class HandleTable {
   Status Poll(int64_t handle, bool* done);
   // Blocks until done; the handle stays valid until Release.
   Status Wait(int64_t handle);
+  // Waits until `deadline` at most: *done tells whether it finished (or is unknown,
+  // which the returned status says); the handle stays valid until Release either way.
+  Status WaitUntil(int64_t handle, std::chrono::steady_clock::time_point deadline, bool* done);
   // Forgets the handle; returns its keepalive (null for an unknown handle).
   std::shared_ptr<void> Release(int64_t handle);
 

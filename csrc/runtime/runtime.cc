@@ -20,6 +20,7 @@ Runtime::Runtime(const WorldInfo& world, const Params& params, std::unique_ptr<C
       controller_(*control_, params_, logger_),
       executor_(world.rank, world.size, params.direct_max_tensors, timeline_, counters_),
       // A fused reduce-scatter needs its threshold plus one segment: keep twice that.
+      // A fused reduce-scatter needs its threshold plus one segment: keep twice that.
       cpu_ctx_(*cpu_comm_, *alloc_, 2 * std::max<int64_t>(params.fusion_threshold_bytes, 8 << 20)) {}
 
 Runtime::~Runtime() { Shutdown(); }
@@ -102,6 +103,21 @@ Status Runtime::ContextFor(const TensorEntry& e, DeviceContext** ctx) {
   return Status::OK();
 }
 
+// Which tensors run as one collective, and on which transport.
+void Runtime::LogGroup(const std::vector<const Response*>& group) const {
+  const Response& r = *group.front();
+  int64_t elems = 0;
+  for (const Response* g : group) {
+    int64_t n = 1;
+    for (auto d : g->shape) n *= d;
+    elems += n;
+  }
+  HVDZ_LOG(logger_, kDebug) << "Fusion group: " << OpTypeName(r.op) << " of " << group.size() << " tensor(s) ("
+                            << NameList(group, [](const Response* g) { return g->name; }) << "), " << elems
+                            << " " << DataTypeName(r.out_dtype) << " elements (rank 0's shapes), over "
+                            << (r.on_cuda ? "NCCL (CUDA)" : "Gloo (CPU)");
+}
+
 void Runtime::ExecuteGroup(const std::vector<const Response*>& group, bool joined, Clock::time_point negotiated) {
   std::vector<TensorEntry> entries;
   std::vector<const Response*> mine;
@@ -127,6 +143,7 @@ void Runtime::ExecuteGroup(const std::vector<const Response*>& group, bool joine
     mine.push_back(r);
   }
   if (entries.empty()) return;
+  if (logger_.Enabled(LogLevel::kDebug)) LogGroup(mine);
   DeviceContext* ctx = nullptr;
   Status s = ContextFor(entries.front(), &ctx);
   if (!s.ok()) {
@@ -141,6 +158,7 @@ void Runtime::Execute(const CycleResult& result, Clock::time_point negotiated) {
   for (const auto& r : responses) {
     if (r.ok()) continue;
     TensorEntry e;
+    HVDZ_LOG(logger_, kDebug) << "Failing '" << r.name << "': " << r.error;
     if (queue_.Take(r.name, &e)) Complete(e, Status::PreconditionError(r.error));
   }
   for (const auto& idx : PlanFusion(responses, params_.fusion_threshold_bytes)) {
@@ -163,14 +181,58 @@ Status Runtime::PeersLeft(const std::vector<int>& ranks) {
       "with zeros until every rank has joined.");
 }
 
+// [Note: idle backoff]
+// A cycle costs every rank an exchange on the control plane (tens of microseconds
+// of CPU, more over Gloo), so cycling every HOROVOD_CYCLE_TIME while nothing happens
+// kept an idle rank at 5-25% of a core. While there is no work anywhere the idle
+// period doubles from the cycle time up to kMaxIdlePeriod, and any work brings it
+// back. This costs no latency: a rank wakes at once for its own new work, and an op
+// cannot complete before its last rank submits it; the earlier ranks already wait
+// in the exchange (the shared-memory plane sleeps on a futex there, see
+// [Note: sleeping in a round]; Gloo waits in a blocking receive) and the last one
+// joins them as soon as it submits. The exception, a rank that has joined and
+// stands in for tensors it will never submit, counts as pending and never backs
+// off (Controller::HasPending). A peer's idle sleep only delays what needs no new
+// work from it: shutdown and stall reports, by at most kMaxIdlePeriod, a quarter of
+// the shortest transport timeout (1 s) a waiting rank allows. At 250 ms an idle
+// rank costs 0.3-0.8% of a core, most of it Gloo's own TCP loop; at 100 ms it was
+// 0.5-2.8% (2 ranks, examples/bench_idle.py).
+namespace {
+constexpr std::chrono::milliseconds kMaxIdlePeriod(250);
+}  // namespace
+
+Clock::duration Runtime::NextWait(bool busy, Clock::duration* idle_period) {
+  const auto cycle = std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double, std::milli>(params_.cycle_time_ms));
+  // A rank whose tensors wait on other ranks cycles again within 50 us: they are
+  // about to meet it in the next exchange.
+  if (controller_.HasPending()) return std::min<Clock::duration>(std::chrono::microseconds(50), cycle);
+  if (busy) {
+    *idle_period = Clock::duration::zero();
+    return cycle;
+  }
+  const bool backing_off = *idle_period < kMaxIdlePeriod;
+  const auto wait = std::max(*idle_period, cycle);
+  *idle_period = std::max<Clock::duration>(cycle, std::min<Clock::duration>(2 * wait, kMaxIdlePeriod));
+  if (backing_off && *idle_period >= kMaxIdlePeriod) {
+    HVDZ_LOG(logger_, kDebug) << "Idle: cycling every " << kMaxIdlePeriod.count()
+                              << " ms until new work; freeing the CPU fusion buffer (" << cpu_ctx_.buffer_bytes()
+                              << " bytes)";
+    cpu_ctx_.Release();  // an idle job holds no buffer; the next op allocates what it needs
+  }
+  return wait;
+}
+
 void Runtime::Loop() {
-  const auto period = std::chrono::duration<double, std::milli>(params_.cycle_time_ms);
   Status stopped = Status::Aborted(
       "horovod_zero has been shut down: call hvd.init() again before submitting more collectives.");
+  Clock::duration idle_period = Clock::duration::zero();
   while (true) {
     auto start = Clock::now();
     CycleResult result;
-    Status s = controller_.RunCycle(queue_.PopNewRequests(), shutdown_requested_.load(), &result);
+    std::vector<Request> fresh = queue_.PopNewRequests();
+    const bool busy = !fresh.empty();
+    Status s = controller_.RunCycle(fresh, shutdown_requested_.load(), &result);
     if (!s.ok()) {
       HVDZ_LOG(logger_, kError) << "Negotiation failed: " << s.reason();
       stopped = Status::Aborted("horovod_zero stopped after a communication failure (a peer may have "
@@ -184,14 +246,8 @@ void Runtime::Loop() {
       if (!shutdown_requested_) stopped = PeersLeft(result.shutdown_ranks);
       break;
     }
-    // Idle ranks cycle every HOROVOD_CYCLE_TIME. New work starts a cycle at once,
-    // and a rank whose tensors wait on other ranks cycles again within 50 us:
-    // those ranks are about to meet it in the next exchange, and sleeping out the
-    // period would add it to every collective's latency.
-    auto wait = controller_.HasPending() ? std::min<Clock::duration>(std::chrono::microseconds(50),
-                                                                     std::chrono::duration_cast<Clock::duration>(period))
-                                         : std::chrono::duration_cast<Clock::duration>(period);
-    queue_.WaitForWork(start + wait);
+    // New work starts a cycle at once (WaitForWork returns); see [Note: idle backoff].
+    queue_.WaitForWork(start + NextWait(busy || result.slow_path || !result.responses.empty(), &idle_period));
   }
   queue_.Close(stopped);
 }

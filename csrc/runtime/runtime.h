@@ -60,6 +60,7 @@ class Runtime {
   Counters& counters() { return counters_; }
   bool has_cuda() const { return gpu_ != nullptr; }
   uint64_t slow_path_cycles() const { return controller_.slow_path_cycles(); }
+  int64_t cpu_fusion_buffer_bytes() const { return cpu_ctx_.buffer_bytes(); }
   const char* control_plane_kind() const { return control_->kind(); }
 
  private:
@@ -72,6 +73,10 @@ class Runtime {
   void CompleteJoin(int last_joined);
   // Why the loop stopped when other ranks asked it to.
   Status PeersLeft(const std::vector<int>& ranks);
+  // How long to sleep after a cycle; `busy`: the cycle had work on any rank. Going
+  // idle frees the CPU fusion buffer.
+  Clock::duration NextWait(bool busy, Clock::duration* idle_period);
+  void LogGroup(const std::vector<const Response*>& group) const;
   Status ContextFor(const TensorEntry& e, DeviceContext** ctx);
   Status CheckDevice(const TensorEntry& e);
 

@@ -37,8 +37,8 @@ class Communicator {
                           const std::vector<int64_t>& recv_counts, DataType dtype) = 0;
 
   // A communicator that runs the calls issued between GroupStart and GroupEnd
-  // as one launch (NCCL) lets the executor hand it large tensors in place
-  // instead of copying them through a fusion buffer.
+  // as one launch (NCCL) gets a direct group's calls that way; one without (Gloo)
+  // gets them one after another (see [Note: direct groups]).
   virtual bool SupportsGroups() const { return false; }
   virtual Status GroupStart() { return Status::OK(); }
   virtual Status GroupEnd() { return Status::OK(); }

@@ -157,9 +157,9 @@ def make_store(world: World, generation: int, timeout_s: float):
     return dist.PrefixStore(f"{SCOPE}/{generation}", store)
 
 
-def make_gloo_backend(store, world: World, timeout_s: float):
+def make_gloo_backend(store, world: World, timeout_s: float, iface: str = ""):
+    """`iface`: the network interface Gloo uses (HOROVOD_GLOO_IFACE); "": the default."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    iface = os.environ.get("HOROVOD_GLOO_IFACE")
     if iface:
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
@@ -168,10 +168,10 @@ def make_gloo_backend(store, world: World, timeout_s: float):
     return dist.ProcessGroupGloo(store, world.rank, world.size, timeout)
 
 
-def shm_control_name(store, world: World) -> str:
+def shm_control_name(store, world: World, enabled: bool = True) -> str:
     """The shared-memory segment ranks negotiate through when they all share this
-    host (HOROVOD_ZERO_SHM_CONTROL=0 turns it off); "" means negotiate over Gloo."""
-    if world.size == 1 or world.local_size != world.size or os.environ.get("HOROVOD_ZERO_SHM_CONTROL", "1") == "0":
+    host and `enabled` (HOROVOD_ZERO_SHM_CONTROL); "" means negotiate over Gloo."""
+    if world.size == 1 or world.local_size != world.size or not enabled:
         return ""
     if world.rank == 0:
         store.set("shm_control", f"/hvdz_{os.getpid()}_{uuid.uuid4().hex[:12]}")

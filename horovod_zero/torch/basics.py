@@ -1,11 +1,11 @@
 """init/shutdown and the questions about this process's place in the job."""
 
 import atexit
-import os
 import threading
 
 import torch
 
+from horovod_zero import settings as _settings
 from horovod_zero.runner.rendezvous import make_gloo_backend, make_store, shm_control_name
 from horovod_zero.runner.world import World, detect_world
 
@@ -34,24 +34,6 @@ class _State:
 
 _state = _State()
 
-_EXACT_GRADIENTS_ENV = "HOROVOD_ZERO_EXACT_GRADIENTS"
-
-
-def _timeout_s():
-    return float(os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS", "30") or 30)
-
-
-def _read_exact_gradients() -> bool:
-    value = os.environ.get(_EXACT_GRADIENTS_ENV, "")
-    if value in ("", "0"):
-        return False
-    if value == "1":
-        return True
-    raise ValueError(
-        f"{_EXACT_GRADIENTS_ENV}={value!r} is not a valid value: use 1 (collectives' gradients are the exact "
-        "gradients of the sum of every rank's loss) or 0 / unset (Horovod's gradients, the default).")
-
-
 def _all_local_sizes_equal(backend, world: World) -> bool:
     """Whether every node runs as many ranks as this one: one small Gloo allgather,
     run before the runtime takes the process group over."""
@@ -70,18 +52,18 @@ def init():
     with _state.lock:
         if _state.runtime is not None:
             return
-        exact_gradients = _read_exact_gradients()  # refused before anything starts
+        config = _settings.read()  # every HOROVOD_* variable; a bad one is refused before anything starts
         world = detect_world()
-        timeout = _timeout_s()
+        timeout = config.transport_timeout_seconds
         store = make_store(world, _state.generation, timeout)
-        backend = make_gloo_backend(store, world, timeout)
+        backend = make_gloo_backend(store, world, timeout, config.gloo_iface)
         homogeneous = _all_local_sizes_equal(backend, world)
         runtime = _core.Runtime(
             backend, world.rank, world.size, world.local_rank, world.local_size, world.cross_rank, world.cross_size,
-            shm_control_name(store, world),
+            shm_control_name(store, world, config.shm_control), _settings.core_params(config, _core.Params()),
         )
         _state.world, _state.store, _state.backend, _state.runtime = world, store, backend, runtime
-        _state.exact_gradients, _state.homogeneous = exact_gradients, homogeneous
+        _state.exact_gradients, _state.homogeneous = config.exact_gradients, homogeneous
         _state.generation += 1
 
 

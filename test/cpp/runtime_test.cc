@@ -10,31 +10,11 @@
 
 #include "host_memory.h"
 #include "in_memory_control_plane.h"
+#include "local_communicator.h"
 #include "runtime/runtime.h"
 
 namespace hvdz {
 namespace {
-
-// Size 1: every collective leaves the data where it is (allgather and
-// reducescatter copy between distinct buffers).
-class LocalCommunicator : public Communicator {
- public:
-  Status Allreduce(void*, int64_t, DataType, ReduceOp) override { return Status::OK(); }
-  Status Allgather(const void* in, void* out, int64_t n, DataType t) override {
-    if (in != out) std::memmove(out, in, n * DataTypeSize(t));
-    return Status::OK();
-  }
-  Status ReduceScatter(const void* in, void* out, int64_t n, DataType t, ReduceOp) override {
-    if (in != out) std::memmove(out, in, n * DataTypeSize(t));
-    return Status::OK();
-  }
-  Status Broadcast(void*, int64_t, DataType, int) override { return Status::OK(); }
-  Status Alltoall(const void* in, void* out, const std::vector<int64_t>& send, const std::vector<int64_t>&,
-                  DataType t) override {
-    if (in != out) std::memmove(out, in, send[0] * DataTypeSize(t));
-    return Status::OK();
-  }
-};
 
 struct Fixture {
   testing::Hub hub{1};
@@ -42,7 +22,7 @@ struct Fixture {
   Fixture() {
     Params p;
     rt = std::make_unique<Runtime>(WorldInfo{}, p, std::make_unique<testing::InMemoryControlPlane>(hub, 0),
-                                   std::make_unique<LocalCommunicator>(), std::make_unique<testing::MallocAllocator>());
+                                   std::make_unique<testing::LocalCommunicator>(), std::make_unique<testing::MallocAllocator>());
     EXPECT_TRUE(rt->Start().ok());
   }
 };

@@ -1,0 +1,219 @@
+"""Every HOROVOD_* setting horovod_zero reads, declared once, with its default, the
+values it accepts and what it does.
+
+hvd.init() calls read() before anything starts: a bad value of any variable is
+refused there, naming the variable, the value and what it accepts, instead of
+being ignored or clamped somewhere later. The core's settings then go to the C++
+runtime as one Params object (the C++ side reads no environment) and the job's to
+the rest of init(); DistributedZeroOptimizer builds its ZeroConfig
+(torch/zero/config.py) from the "zero" rows with read_section() when it is
+built, so each optimizer takes the environment of its own construction,
+checked by the same rows.
+
+The launcher's own variables (HOROVOD_RANK, HOROVOD_SIZE, ..., and
+HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT) say who this process is rather than how to
+run; runner/world.py and runner/rendezvous.py read and check those.
+"""
+
+import math
+import os
+import socket
+from dataclasses import dataclass, fields
+from typing import Callable, Optional
+
+# --- how a value is parsed: each parser knows the text of what it accepts -----------
+
+
+def _show(x) -> str:
+    return str(int(x)) if x is not None and float(x).is_integer() else str(x)
+
+
+@dataclass(frozen=True)
+class _Number:
+    kind: type  # int or float
+    lo: float
+    hi: Optional[float] = None
+
+    def accepts(self) -> str:
+        what = "an integer" if self.kind is int else "a number"
+        lo, hi = _show(self.lo), _show(self.hi)
+        return f"{what} >= {lo}" if self.hi is None else f"{what} from {lo} to {hi}"
+
+    def __call__(self, text: str):
+        v = self.kind(text.strip())  # ValueError when it is no number of this kind
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError
+        if v < self.lo or (self.hi is not None and v > self.hi):
+            raise ValueError
+        return v
+
+
+@dataclass(frozen=True)
+class _Choice:
+    words: tuple
+
+    def accepts(self) -> str:
+        return "one of " + ", ".join(self.words) + " (any case)"
+
+    def __call__(self, text: str):
+        word = text.strip().lower()  # horovodrun --log-level passes DEBUG, TRACE, ...
+        if word not in self.words:
+            raise ValueError
+        return word
+
+
+@dataclass(frozen=True)
+class _Bool:
+    """Horovod's switches are 1 or 0."""
+
+    def accepts(self) -> str:
+        return "1 or 0"
+
+    def __call__(self, text: str):
+        if text.strip() not in ("0", "1"):
+            raise ValueError
+        return text.strip() == "1"
+
+
+@dataclass(frozen=True)
+class _Text:
+    def accepts(self) -> str:
+        return "any text"
+
+    def __call__(self, text: str):
+        return text
+
+
+@dataclass(frozen=True)
+class _Interface:
+    def accepts(self) -> str:
+        return "a network interface of this host (" + ", ".join(n for _, n in socket.if_nameindex()) + ")"
+
+    def __call__(self, text: str):
+        if text not in {n for _, n in socket.if_nameindex()}:
+            raise ValueError
+        return text
+
+
+# --- the table -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Variable:
+    name: str  # the environment variable
+    field: str  # its attribute in Settings (section "core": also in the C++ Params)
+    section: str  # "core": the C++ runtime; "job": the rest of init(); "zero": ZeroConfig (torch/zero/config.py)
+    parse: Callable  # text -> value; raises ValueError outside what it accepts
+    default: object  # the value when the variable is unset or empty
+    meaning: str
+
+    def accepts(self) -> str:
+        return self.parse.accepts()
+
+
+_MiB = 1 << 20
+
+VARIABLES = (
+    Variable("HOROVOD_FUSION_THRESHOLD", "fusion_threshold_bytes", "core", _Number(int, 0), 128 * _MiB,
+             "bytes per fusion buffer; 0 turns fusion off"),
+    Variable("HOROVOD_CYCLE_TIME", "cycle_time_ms", "core", _Number(float, 0.01, 100.0), 1.0,
+             "milliseconds between negotiation cycles while there is work; idle, the period doubles up to "
+             "250 ms; new work starts a cycle at once"),
+    Variable("HOROVOD_CACHE_CAPACITY", "cache_capacity", "core", _Number(int, 0, 1 << 20), 1024,
+             "response cache entries; 0 turns the cache off"),
+    Variable("HOROVOD_TIMELINE", "timeline_path", "core", _Text(), "",
+             "path of a Chrome-trace JSON timeline written by rank 0; unset: none"),
+    Variable("HOROVOD_LOG_LEVEL", "log_level", "core",
+             _Choice(("trace", "debug", "info", "warning", "error", "fatal")), "warning",
+             "least severe messages printed (stderr); debug and trace show negotiation, fusion and transports"),
+    Variable("HOROVOD_STALL_CHECK_TIME_SECONDS", "stall_check_seconds", "core", _Number(float, 0), 60.0,
+             "warn about tensors some ranks have not submitted after this long; 0: never"),
+    Variable("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "stall_shutdown_seconds", "core", _Number(float, 0), 0.0,
+             "fail tensors some ranks have not submitted after this long; 0: never"),
+    Variable("HOROVOD_GLOO_TIMEOUT_SECONDS", "transport_timeout_seconds", "core", _Number(float, 1, 86400), 30.0,
+             "rendezvous, negotiation and collective timeout: a dead or silent peer becomes an error after it"),
+    Variable("HOROVOD_ZERO_DIRECT_MAX_TENSORS", "direct_max_tensors", "core", _Number(int, -1), -1,
+             "most tensors in a direct group (large tensors in place, each its own call, no fusion buffer: "
+             "NCCL, and Gloo for allgather, reducescatter and broadcast); 0: never; -1: any number up to 4 "
+             "ranks, 16 beyond"),
+    Variable("HOROVOD_ZERO_COPY_STREAM_BYTES", "copy_stream_bytes", "core", _Number(int, 0), 8 * _MiB,
+             "fused CUDA ops of at least this many bytes copy on side streams; 0: never"),
+    Variable("HOROVOD_GLOO_IFACE", "gloo_iface", "job", _Interface(), "",
+             "network interface Gloo uses; unset: the one the hostname resolves to"),
+    Variable("HOROVOD_ZERO_SHM_CONTROL", "shm_control", "job", _Bool(), True,
+             "negotiate through shared memory when every rank is on one host; 0: over Gloo"),
+    Variable("HOROVOD_ZERO_EXACT_GRADIENTS", "exact_gradients", "job", _Bool(), False,
+             "1: the collectives' gradients are the exact gradients of the sum of every rank's loss; "
+             "0: Horovod's gradients"),
+    Variable("HOROVOD_ZERO_BUCKET_BYTES", "bucket_bytes", "zero", _Number(int, 0), 32 * _MiB,
+             "ZeRO stage 2: gradient bytes gathered before one grouped reduce-scatter; 0: one per gradient"),
+    Variable("HOROVOD_ZERO_DOWNCAST", "downcast", "zero", _Bool(), True,
+             "ZeRO: cast master shards to param_dtype before the allgather (on the wire); 0: after it"),
+    Variable("HOROVOD_ZERO_INIT_CHUNK_BYTES", "init_chunk_bytes", "zero", _Number(int, 1), None,
+             "ZeRO: build shards through host memory in chunks of this many bytes; unset: only when the "
+             "device lacks memory"),
+    Variable("HOROVOD_ZERO_PREFETCH", "prefetch", "zero", _Number(int, 0), 1,
+             "ZeRO stage 3: gather units fetched ahead of the one in use; 0: none"),
+)
+
+
+# --- what init() and the optimizer get -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The core's and the job's settings, as read by init() (see VARIABLES)."""
+    fusion_threshold_bytes: int
+    cycle_time_ms: float
+    cache_capacity: int
+    timeline_path: str
+    log_level: str
+    stall_check_seconds: float
+    stall_shutdown_seconds: float
+    transport_timeout_seconds: float
+    direct_max_tensors: int
+    copy_stream_bytes: int
+    gloo_iface: str
+    shm_control: bool
+    exact_gradients: bool
+
+
+def _values(rows, env) -> dict:
+    """Each row's value; every bad one is reported, in one ValueError."""
+    env = os.environ if env is None else env
+    out, bad = {}, []
+    for v in rows:
+        text = env.get(v.name, "")
+        if text == "":
+            out[v.field] = v.default
+            continue
+        try:
+            out[v.field] = v.parse(text)
+        except ValueError:
+            default = "unset" if v.default in (None, "") else str(int(v.default)) if isinstance(v.default, bool) \
+                else repr(v.default)
+            bad.append(f"  {v.name}={text!r}: expected {v.accepts()} ({v.meaning}; default {default})")
+    if bad:
+        raise ValueError("Invalid horovod_zero environment variable" + ("s" if len(bad) > 1 else "") +
+                         "; set each to an accepted value, or unset it for the default:\n" + "\n".join(bad))
+    return out
+
+
+def read(env=None) -> Settings:
+    """Every variable of VARIABLES from `env` (default: os.environ), validated; the
+    "zero" ones are checked here too, and read again by each optimizer."""
+    values = _values(VARIABLES, env)
+    return Settings(**{f.name: values[f.name] for f in fields(Settings)})
+
+
+def read_section(section: str, env=None) -> dict:
+    """The validated values of one section's rows, by field name."""
+    return _values([v for v in VARIABLES if v.section == section], env)
+
+
+def core_params(settings: Settings, params):
+    """Fills the C++ runtime's Params object (`_core.Params()`) from the core rows."""
+    for v in VARIABLES:
+        if v.section == "core":
+            setattr(params, v.field, getattr(settings, v.field))
+    return params
