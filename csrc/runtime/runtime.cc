@@ -19,8 +19,8 @@ Runtime::Runtime(const WorldInfo& world, const Params& params, std::unique_ptr<C
       gpu_(MakeGpuSupport(params_, logger_)),
       controller_(*control_, params_, logger_),
       executor_(world.rank, world.size, params.direct_max_tensors, timeline_, counters_),
-      // A fused reduce-scatter needs its threshold plus one segment: keep twice that.
-      // A fused reduce-scatter needs its threshold plus one segment: keep twice that.
+      // The CPU buffer grows to what ops ask for and is kept up to this size (a fused
+      // reduce-scatter needs its threshold plus one segment: twice that), then freed when idle.
       cpu_ctx_(*cpu_comm_, *alloc_, 2 * std::max<int64_t>(params.fusion_threshold_bytes, 8 << 20)) {}
 
 Runtime::~Runtime() { Shutdown(); }
