@@ -27,6 +27,13 @@ from horovod_zero.torch.compression import Compression
 from horovod_zero.torch.sparse import sparse_allreduce_async
 
 
+def _forwarded(name, settable=True):
+    """A property that reads (and sets) the wrapped optimizer's attribute `name`."""
+    get = lambda self: getattr(self.optimizer, name)  # noqa: E731
+    put = (lambda self, value: setattr(self.optimizer, name, value)) if settable else None
+    return property(get, put)
+
+
 def _parameter_names(param_groups, named_parameters):
     """Each trainable parameter's name: the one named_parameters gives it, else
     Horovod's allreduce.noname.<group>.<index>."""
@@ -151,25 +158,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # --- forwarding to the wrapped optimizer ---------------------------------
 
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value):
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value):
-        self.optimizer.state = value
-
-    @property
-    def defaults(self):
-        return self.optimizer.defaults
+    param_groups = _forwarded("param_groups")
+    state = _forwarded("state")
+    defaults = _forwarded("defaults", settable=False)
 
     def __getattr__(self, name):
         # Only reached for names this object lacks: the wrapped optimizer's own
