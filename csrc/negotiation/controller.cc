@@ -1,5 +1,6 @@
 #include "negotiation/controller.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace hvdz {
@@ -109,13 +110,17 @@ void Controller::CollectReady(const std::vector<Header>& all, const std::vector<
   std::vector<uint64_t> some, ready;
   Coverage(all, joined, &some, &ready);
   for (size_t w = 0; w < words_; ++w) ready[w] &= some[w] & ~invalid_any[w];
+  // Only while some rank has joined can a ready tensor lack a rank's submission.
+  const bool any_joined = std::find(joined.begin(), joined.end(), true) != joined.end();
   ForEachBit(ready, [&](uint32_t pos) {
     out->responses.push_back(cache_.Get(pos));
-    std::vector<int> missing;
-    for (size_t r = 0; r < all.size(); ++r)
-      if (joined[r] && !TestBit(all[r].hits, pos)) missing.push_back(static_cast<int>(r));
     Response& resp = out->responses.back();
-    if (!missing.empty() && resp.op != OpType::kAllreduce) resp.error = MissingJoinedError(resp.name, resp.op, missing);
+    if (any_joined && resp.op != OpType::kAllreduce) {
+      std::vector<int> missing;
+      for (size_t r = 0; r < all.size(); ++r)
+        if (joined[r] && !TestBit(all[r].hits, pos)) missing.push_back(static_cast<int>(r));
+      if (!missing.empty()) resp.error = MissingJoinedError(resp.name, resp.op, missing);
+    }
     cache_.Touch(pos);
     pending_hits_.erase(pos);
   });
