@@ -1,0 +1,138 @@
+// _core.cpu_adam_step: the CPU Adam kernel (csrc/offload/cpu_adam.h) on torch
+// tensors, split over ATen's threads (torch.set_num_threads) with the GIL
+// released; _core.cpu_adam_isa: the ISA a step would use.
+#include "offload_adam.h"
+
+#include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "offload/cpu_adam.h"
+
+namespace py = pybind11;
+
+namespace hvdz {
+namespace {
+
+// Threads take whole blocks, so that each one's range starts on a cache line
+// of a 64-byte-aligned buffer (none shares a line being written) and runs on
+// contiguous memory for the prefetchers. The grain keeps a shard of under 32K
+// elements (about 1 MB of traffic, some microseconds) on one thread, where
+// waking others costs more than it saves.
+constexpr int64_t kBlock = 4096;
+constexpr int64_t kGrainBlocks = 8;
+
+bool FloatType(at::ScalarType t, DataType* out) {
+  switch (t) {
+    case at::kFloat: *out = DataType::kFloat32; return true;
+    case at::kBFloat16: *out = DataType::kBFloat16; return true;
+    case at::kHalf: *out = DataType::kFloat16; return true;
+    default: return false;
+  }
+}
+
+// A contiguous CPU tensor of `numel` elements; fp32 unless `any_float`.
+Status CheckTensor(const at::Tensor& t, const std::string& name, int64_t numel, bool any_float, DataType* dt) {
+  if (!t.defined()) return Status::InvalidArgument("cpu_adam_step: " + name + " is None.");
+  if (!t.is_cpu() || t.is_sparse())
+    return Status::InvalidArgument("cpu_adam_step: " + name + " is on " + t.device().str() +
+                                   "; the CPU Adam steps dense CPU tensors (move it with .cpu()).");
+  const bool ok_type = FloatType(t.scalar_type(), dt) && (any_float || *dt == DataType::kFloat32);
+  if (!ok_type)
+    return Status::InvalidArgument("cpu_adam_step: " + name + " is " + std::string(c10::toString(t.scalar_type())) +
+                                   (any_float ? "; it must be float32, bfloat16 or float16." : "; it must be float32."));
+  if (!t.is_contiguous())
+    return Status::InvalidArgument("cpu_adam_step: " + name + " is not contiguous; pass " + name + ".contiguous().");
+  if (t.numel() != numel)
+    return Status::InvalidArgument("cpu_adam_step: " + name + " has " + std::to_string(t.numel()) +
+                                   " elements and param " + std::to_string(numel) + "; they must match.");
+  return Status::OK();
+}
+
+// Overlapping buffers would make the result depend on the order of the writes.
+Status CheckNoOverlap(const std::vector<std::pair<const at::Tensor*, const char*>>& ts) {
+  for (size_t i = 0; i < ts.size(); ++i)
+    for (size_t j = i + 1; j < ts.size(); ++j)
+      if (ts[i].first->numel() > 0 && at::get_overlap_status(*ts[i].first, *ts[j].first) != at::MemOverlapStatus::No)
+        return Status::InvalidArgument(std::string("cpu_adam_step: ") + ts[i].second + " and " + ts[j].second +
+                                       " share memory; each needs its own buffer.");
+  return Status::OK();
+}
+
+Status Prepare(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+               const std::optional<at::Tensor>& out, AdamTensors* t) {
+  DataType dt;
+  const int64_t n = param.defined() ? param.numel() : 0;
+  HVDZ_RETURN_IF_ERROR(CheckTensor(param, "param", n, false, &dt));
+  HVDZ_RETURN_IF_ERROR(CheckTensor(grad, "grad", n, true, &t->grad_type));
+  HVDZ_RETURN_IF_ERROR(CheckTensor(exp_avg, "exp_avg", n, false, &dt));
+  HVDZ_RETURN_IF_ERROR(CheckTensor(exp_avg_sq, "exp_avg_sq", n, false, &dt));
+  std::vector<std::pair<const at::Tensor*, const char*>> all = {
+      {&param, "param"}, {&grad, "grad"}, {&exp_avg, "exp_avg"}, {&exp_avg_sq, "exp_avg_sq"}};
+  if (out) {
+    HVDZ_RETURN_IF_ERROR(CheckTensor(*out, "out", n, true, &t->out_type));
+    all.push_back({&*out, "out"});
+    t->out = out->data_ptr();
+  }
+  HVDZ_RETURN_IF_ERROR(CheckNoOverlap(all));
+  t->param = param.data_ptr<float>();
+  t->exp_avg = exp_avg.data_ptr<float>();
+  t->exp_avg_sq = exp_avg_sq.data_ptr<float>();
+  t->grad = grad.data_ptr();
+  t->numel = n;
+  return Status::OK();
+}
+
+void ThrowIfError(const Status& s) {
+  if (!s.ok()) throw py::value_error(s.reason());
+}
+
+void CpuAdamStepPy(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                   const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& out, double lr, double beta1,
+                   double beta2, double eps, double weight_decay, int64_t step, bool decoupled, bool maximize,
+                   double grad_scale, const std::string& isa_name) {
+  AdamHyper h{lr, beta1, beta2, eps, weight_decay, step, decoupled, maximize, grad_scale};
+  AdamCoeffs c;
+  AdamTensors t;
+  CpuAdamIsa isa;
+  ThrowIfError(MakeAdamCoeffs(h, &c));
+  ThrowIfError(Prepare(param, grad, exp_avg, exp_avg_sq, out, &t));
+  ThrowIfError(ResolveCpuAdamIsa(isa_name, &isa));
+  {
+    py::gil_scoped_release nogil;
+    const int64_t blocks = (t.numel + kBlock - 1) / kBlock;
+    at::parallel_for(0, blocks, kGrainBlocks, [&](int64_t b, int64_t e) {
+      CpuAdamStep(isa, c, t, b * kBlock, std::min(e * kBlock, t.numel));
+    });
+  }
+  // As torch's in-place ops do: autograd sees these tensors changed.
+  for (const at::Tensor* w : {&param, &exp_avg, &exp_avg_sq}) w->unsafeGetTensorImpl()->bump_version();
+  if (out) out->unsafeGetTensorImpl()->bump_version();
+}
+
+std::string CpuAdamIsaPy(const std::string& requested) {
+  CpuAdamIsa isa;
+  ThrowIfError(ResolveCpuAdamIsa(requested, &isa));
+  return CpuAdamIsaName(isa);
+}
+
+}  // namespace
+
+void RegisterOffloadAdam(py::module_& m) {
+  m.def("cpu_adam_step", &CpuAdamStepPy, py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
+        py::arg("exp_avg_sq"), py::arg("out"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+        py::arg("weight_decay"), py::arg("step"), py::arg("decoupled"), py::arg("maximize"), py::arg("grad_scale"),
+        py::arg("isa") = "auto",
+        "One Adam (decoupled=False) or AdamW step in place on contiguous CPU tensors of equal numel: fp32 param, "
+        "exp_avg, exp_avg_sq; grad in fp32/bf16/fp16; `out` (None or fp32/bf16/fp16) receives the new param. "
+        "`step` counts from 1; g = grad * grad_scale. Runs on torch's intra-op threads with the GIL released.");
+  m.def("cpu_adam_isa", &CpuAdamIsaPy, py::arg("requested") = "auto",
+        "The ISA cpu_adam_step uses for `requested` (auto, avx512, avx2 or scalar); ValueError if this CPU lacks it.");
+}
+
+}  // namespace hvdz
