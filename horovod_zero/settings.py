@@ -154,6 +154,8 @@ VARIABLES = (
              "device lacks memory"),
     Variable("HOROVOD_ZERO_PREFETCH", "prefetch", "zero", _Number(int, 0), 1,
              "ZeRO stage 3: gather units fetched ahead of the one in use; 0: none"),
+    Variable("HOROVOD_ZERO_CPU_ADAM_ISA", "cpu_adam_isa", "cpu_adam", _Choice(("auto", "avx512", "avx2", "scalar")),
+             "auto", "ZeRO CPU offload: instruction set of the C++ Adam step; auto: the widest this CPU has"),
 )
 
 
