@@ -12,13 +12,13 @@
 
 #include "offload/cpu_adam_kernels.h"
 
+#define HVDZ_PRAGMA(x) _Pragma(#x)
 #if defined(__clang__)
-#define HVDZ_TARGET_BEGIN(isa) _Pragma("clang attribute push(__attribute__((target(" #isa "))), apply_to = function)")
-#define HVDZ_TARGET_END _Pragma("clang attribute pop")
+#define HVDZ_TARGET_BEGIN(isa) HVDZ_PRAGMA(clang attribute push(__attribute__((target(isa))), apply_to = function))
+#define HVDZ_TARGET_END HVDZ_PRAGMA(clang attribute pop)
 #else
-#define HVDZ_TARGET_PRAGMA(x) _Pragma(#x)
-#define HVDZ_TARGET_BEGIN(isa) _Pragma("GCC push_options") HVDZ_TARGET_PRAGMA(GCC target(isa))
-#define HVDZ_TARGET_END _Pragma("GCC pop_options")
+#define HVDZ_TARGET_BEGIN(isa) HVDZ_PRAGMA(GCC push_options) HVDZ_PRAGMA(GCC target(isa))
+#define HVDZ_TARGET_END HVDZ_PRAGMA(GCC pop_options)
 #endif
 
 namespace hvdz {
