@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from horovod_zero.torch.zero.offload import CpuAdam, chosen_isa
+from horovod_zero.torch.zero.offload.cpu_adam import CpuAdam, chosen_isa
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "none": None}
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from horovod_zero import _core
-from horovod_zero.torch.zero.offload import CpuAdam, adam_step_flat, chosen_isa, not_covered_reason
+from horovod_zero.torch.zero.offload.cpu_adam import CpuAdam, adam_step_flat, chosen_isa, not_covered_reason
 
 def _supported(name):
     try:

@@ -16,6 +16,9 @@ class ParamGatherer:
         self._storage = storage
         self._downcast = downcast
         self.in_flight = {}  # shard index -> allgather handle
+        # Offload: (index, buffer) -> the param_dtype shard on the device to gather from
+        # (offload/host.py); None gathers the master shards.
+        self.source = None
         self._after = {}  # shard index -> (buffer, fp32 copy) to cast once gathered (downcast off)
 
     def gather(self, indices):
@@ -28,8 +31,11 @@ class ParamGatherer:
             out = st.unshard(i) if st.sharded_params else st.stores[i]
             by_dtype.setdefault(out.dtype, []).append((i, out))
         for dtype, items in by_dtype.items():
-            ins = [st.master_params[i].detach().to(st.param_device) for i, _ in items]
-            if self._downcast:
+            if self.source is not None:
+                ins = [self.source(i, o) for i, o in items]
+            else:
+                ins = [st.master_params[i].detach().to(st.param_device) for i, _ in items]
+            if self._downcast or self.source is not None:
                 outs, out_dtype = [o for _, o in items], dtype
             else:
                 outs = [torch.empty(o.numel(), dtype=torch.float32, device=o.device) for _, o in items]

@@ -22,6 +22,7 @@
   them first, and the model's forward pre-hook checks one parameter (guard.py).
 """
 
+import logging
 import weakref
 
 import torch
@@ -35,6 +36,7 @@ from horovod_zero.torch.zero.gather import ParamGatherer, hook_forward_waits
 from horovod_zero.torch.zero.init_state import created_state, holds_constructor_state
 from horovod_zero.torch.zero.loss_scale import LossScaler
 from horovod_zero.torch.zero.names import check_in_model, check_names, name_map
+from horovod_zero.torch.zero.offload.options import OffloadOptions
 from horovod_zero.torch.zero.reduce import GradReducer
 from horovod_zero.torch.zero.stage3 import Stage3
 from horovod_zero.torch.zero.storage import ShardedStorage
@@ -96,8 +98,13 @@ class DistributedZeroOptimizer:
 
     def __init__(self, optimizer, model=None, named_parameters=None, stage=2, param_dtype=None,
                  reduce_dtype=None, backward_passes_per_step=1, loss_scaler=None, overlap_param_gather=False,
-                 cast_forward_inputs=True, units=None, reshard_after_forward=True):
+                 cast_forward_inputs=True, units=None, reshard_after_forward=True, offload_optimizer=None,
+                 nvme_path=None, offload_params=None, overlap_step=False):
         _check_stage_args(stage, model, units, overlap_param_gather)
+        if loss_scaler is None and param_dtype == torch.float16:
+            loss_scaler = LossScaler()
+        offload = OffloadOptions.check(offload_optimizer, nvme_path, offload_params, overlap_step, stage,
+                                       loss_scaler is not None, overlap_param_gather)
         if backward_passes_per_step < 1:
             raise ValueError("backward_passes_per_step must be 1 or more.")
         if overlap_param_gather and model is None:
@@ -112,14 +119,14 @@ class DistributedZeroOptimizer:
         self._model = weakref.ref(model) if model is not None else None
         params = [p for g in optimizer.param_groups for p in g["params"]]
         device = _one_device(params, torch.device("cpu"))
-        self._storage = ShardedStorage(self._rank, self._size, device, device, param_dtype, self.config,
-                                       sharded_params=stage == 3)
+        self._storage = ShardedStorage(self._rank, self._size, device, offload.master_device(device), param_dtype,
+                                       self.config, sharded_params=stage == 3)
         self._reducer = GradReducer(self._storage, stage >= 2, backward_passes_per_step, reduce_dtype,
                                     self.config.bucket_bytes)
         self._gatherer = ParamGatherer(self._storage, self.config.downcast)
-        if loss_scaler is None and param_dtype == torch.float16:
-            loss_scaler = LossScaler()
         self.loss_scaler = loss_scaler
+        self._offload = offload.build(self._storage, optimizer, self._reducer, self._gatherer,
+                                      logging.getLogger("horovod_zero").warning)
         self._hooks = []
         weakref.finalize(self, _remove_all, self._hooks)  # hooks go when the optimizer goes
         self._overlap = bool(overlap_param_gather)
@@ -158,6 +165,9 @@ class DistributedZeroOptimizer:
         parameters, and hooks their parameters."""
         params = self._storage.add_groups(self.optimizer.param_groups[first:], first, self._names)
         self._reducer.extend(len(params))
+        if self._offload is not None:
+            new = self._storage.shards[-len(params):] if params else []
+            self._offload.host.add_shards(new, self._storage.stores[-len(params):] if params else [])
         model = self._model() if self._model is not None else None
         if model is not None:
             self._slots += guard.module_slots(model, params)
@@ -242,7 +252,11 @@ class DistributedZeroOptimizer:
         torch.nn.utils.clip_grad_norm_, and returns it."""
         if float(norm_type) != 2.0:
             raise ValueError("clip_grad_norm_ supports norm_type=2 only.")
+        if self._offload is not None:
+            self._offload.check_clip()
         self._finish_reduction()
+        if self._offload is not None:
+            return self._offload.clip(max_norm)
         grads = self._grads()
         local = torch.zeros(1, dtype=torch.float64, device=self._device)
         if grads:
@@ -267,7 +281,16 @@ class DistributedZeroOptimizer:
             found_inf = self._found_inf()
             self.loss_scaler.update(found_inf)
             if found_inf:  # every rank skips: the weights stay as they are
+                if self._offload is not None:
+                    self._offload.skip()
                 return None
+        if self._offload is not None:
+            if closure is not None:
+                raise ValueError("step(closure) with offload: the step runs on host shards; call the closure "
+                                 "(forward and backward) before step().")
+            self._offload.step(range(len(self._shards)))
+            self._gather_params(wait=not self._overlap, from_step=True)
+            return None
         loss = self.optimizer.step(closure)
         self._gather_params(wait=not self._overlap)
         return loss
@@ -287,15 +310,21 @@ class DistributedZeroOptimizer:
         return loss * self.loss_scaler.scale if self.loss_scaler is not None else loss
 
     def _found_inf(self):
+        if self._offload is not None:
+            return self._offload.host.found_inf()
         grads = self._grads()
         finite = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
         local = (~finite).float().reshape(1).to(self._device)
         return bool(mpi_ops.allreduce(local, op=mpi_ops.Max, name="zero.found_inf").item())
 
-    def _gather_params(self, wait=True):
+    def _gather_params(self, wait=True, from_step=False):
         """Allgathers the master shards into the parameters. wait=False leaves the
         handles for wait_for_params() (the forward hooks, or the next step). At stage 3
-        the parameters are freed instead: the next forward gathers the new values."""
+        the parameters are freed instead: the next forward gathers the new values.
+        With offload, the param_dtype copies the step wrote are gathered; after a load
+        (not from_step) they are made from the masters first."""
+        if self._offload is not None and not from_step:
+            self._offload.host.refresh(range(len(self._shards)))
         if self._stage3 is not None:
             self._stage3.reshard_all()
             return
@@ -327,6 +356,8 @@ class DistributedZeroOptimizer:
             p.grad = None
         for mp in self._master_params:
             mp.grad = None
+        if self._offload is not None:
+            self._offload.clear()
 
     # --- state -------------------------------------------------------------
 
@@ -365,6 +396,13 @@ class DistributedZeroOptimizer:
         if self.loss_scaler is not None and meta.get("loss_scaler"):
             self.loss_scaler.load_state_dict(meta["loss_scaler"])
         self._gather_params()
+
+    def offload_stats(self):
+        """Bytes moved by offload since construction: "d2h_bytes" (gradient shards to the
+        host), "h2d_bytes" (parameter shards back), "disk_read_bytes" and
+        "disk_write_bytes" (NVMe); and "step" (which code steps the host shards).
+        Empty without offload."""
+        return self._offload.stats() if self._offload is not None else {}
 
     def __repr__(self):
         return f"DistributedZeroOptimizer(stage={self.stage}, size={self._size}, inner={self.optimizer!r})"

@@ -28,6 +28,12 @@ class GradReducer:
         self._delay = []  # shard index -> backward passes until its next reduction
         self.reduced = False  # master grads hold this step's reduced gradients
         self.coalescing = False
+        # Offload (offload/host.py): reduced shards go to the sink instead of the master
+        # grads, each as soon as its reduction is done, so its copy to the host runs
+        # under the rest of backward.
+        self.sink = None
+        self._done = {}  # shard index -> outputs of reductions already finished this step
+        self._sunk = {}  # shard index -> how many of them the sink has taken
 
     @property
     def busy(self):
@@ -57,6 +63,18 @@ class GradReducer:
     def flush(self):
         bucket, self._bucket, self._bucket_bytes = self._bucket, [], 0
         self._submit(bucket)
+        if self.sink is not None:
+            self._drain()
+
+    def _drain(self):
+        """Hands the sink the reductions that have finished (in submission order)."""
+        for index, handles in self._pending.items():
+            while handles and mpi_ops.poll(handles[0]):
+                self._done.setdefault(index, []).append(mpi_ops.synchronize(handles.pop(0)))
+            done = self._done.get(index, ())
+            if not handles and len(done) == 1 and self._had_grad.get(index) and index not in self._sunk:
+                self._sunk[index] = 1
+                self.sink.take_grad(self._storage.shards[index], done, early=True)
 
     def _take(self, s, p):
         """Takes p's gradient for reduction: later backward passes start afresh."""
@@ -83,7 +101,12 @@ class GradReducer:
         # runs the same backward passes, so the names agree.
         names, seen = [], {}
         for s, _, _ in taken:
-            k = len(self._pending.get(s.index, ())) + seen.get(s.index, 0)
+            if getattr(self.sink, "one_reduction", False) and (s.index in self._pending or s.index in seen):
+                raise RuntimeError(
+                    f"Parameter '{s.name}' was reduced a second time in one step, but overlap_step=True steps each "
+                    "parameter with its first reduced gradient. Run one backward per step, or accumulate with "
+                    "backward_passes_per_step=N or inside `with opt.coalesce_grad_reduction():`.")
+            k = len(self._pending.get(s.index, ())) + len(self._done.get(s.index, ())) + seen.get(s.index, 0)
             seen[s.index] = seen.get(s.index, 0) + 1
             names.append(f"zero.grad.{s.index}.{k}")
         # The runtime holds the inputs until their collective is done, then frees them.
@@ -110,8 +133,17 @@ class GradReducer:
         trained = self._trained()
         had = self._had_grad_anywhere(trained)
         masters = self._storage.master_params
+        if self.sink is not None:
+            self.sink.scale = unscale
         for (s, _), flag in zip(trained, had):
-            outs = [mpi_ops.synchronize(h) for h in self._pending[s.index]]  # one per reduction this step
+            # One output per reduction this step.
+            outs = self._done.pop(s.index, []) + [mpi_ops.synchronize(h) for h in self._pending.get(s.index, ())]
+            if self.sink is not None:
+                if not flag:
+                    self.sink.no_grad(s)
+                elif self._sunk.get(s.index) != len(outs):
+                    self.sink.take_grad(s, outs, early=False)
+                continue
             if not flag:
                 # No rank had a gradient: grad None, so the inner optimizer skips the parameter
                 # (no weight decay, no momentum) exactly as torch would.
@@ -124,6 +156,8 @@ class GradReducer:
                 g.mul_(unscale)  # in fp32: the scaled fp16 values are exact, the unscaled ones may not be
             masters[s.index].grad = g
         self._pending.clear()
+        self._done.clear()
+        self._sunk.clear()
         self._had_grad.clear()
         self._delay = [self._bpps] * len(self._storage.shards)
         self.reduced = True

@@ -1,6 +1,3 @@
-"""ZeRO CPU offload: master params and optimizer state in host memory, the
-optimizer step on the CPU (cpu_adam: the C++ Adam/AdamW step)."""
-
-from horovod_zero.torch.zero.offload.cpu_adam import CpuAdam, adam_step_flat, chosen_isa, not_covered_reason
-
-__all__ = ["CpuAdam", "adam_step_flat", "chosen_isa", "not_covered_reason"]
+"""Offload of ZeRO's optimizer state (and, at stage 3, of the parameters at rest):
+host memory (host.py, overlap.py, stepper.py, engine.py; options.py checks the
+arguments), the C++ CPU Adam/AdamW (cpu_adam.py) and NVMe files (nvme.py)."""

@@ -1,0 +1,59 @@
+"""The optimizer's side of offload: wires HostOffload (and overlap_step's worker)
+into the gradient reducer and the gatherer, and runs the host step."""
+
+import torch
+
+from horovod_zero.torch.zero.offload.host import HostOffload
+from horovod_zero.torch.zero.offload.overlap import OverlapSink
+
+
+class Offload:
+    def __init__(self, options, storage, optimizer, reducer, gatherer, log):
+        self._st = storage
+        self.host = HostOffload(storage, optimizer, options.params, log)
+        if options.overlap_step and not self.host.stepper.fast:
+            raise ValueError(f"overlap_step=True needs torch.optim.Adam or AdamW, which the C++ CPU Adam steps; "
+                             f"{type(optimizer).__name__} is stepped by torch after backward. Use overlap_step=False.")
+        self.sink = OverlapSink(self.host, storage) if options.overlap_step else None
+        reducer.sink = self.sink if self.sink is not None else self.host
+        gatherer.source = self.host.source
+
+    def step(self, indices):
+        early = set()
+        if self.sink is not None:
+            self.sink.wait()
+            early = self.sink.stepped
+        rest = [i for i in indices if i not in early]
+        self.host.step(rest)
+        if self._st.sharded_params:
+            self.host.publish(rest)  # the device copy at rest (stage 3 without offload_params)
+        self.clear_step()
+
+    def check_clip(self):
+        if self.sink is not None:
+            raise RuntimeError("clip_grad_norm_ with overlap_step=True: the host step runs during backward, before "
+                               "the global norm is known. Use overlap_step=False to clip.")
+
+    def clip(self, max_norm):
+        total = self.host.norm()
+        coef = float(max_norm) / (float(total) + 1e-6)
+        if coef < 1.0:
+            self.host.scale *= coef
+        return total.float()
+
+    def skip(self):
+        """A step skipped (overflow): nothing was stepped early (overlap_step refuses loss scaling)."""
+        self.clear_step()
+
+    def clear_step(self):
+        if self.sink is not None:
+            self.sink.clear()
+
+    def clear(self):
+        self.clear_step()
+        self.host.clear()
+
+    def stats(self):
+        out = dict(self.host.stats)
+        out["step"] = self.host.stepper.describe()
+        return out

@@ -1,0 +1,173 @@
+"""CPU offload of the optimizer (offload_optimizer="cpu"): fp32 master shards and
+optimizer state in (pinned) host memory, stepped on the CPU.
+
+[Note: the offload data flow]
+- Gradients are reduce-scattered on the parameters' device as without offload.
+  Each reduced shard is copied to a pinned host buffer (in the reduction's dtype:
+  bf16 when reducing in bf16) on a side stream as soon as its reduction is done,
+  while backward goes on (GradReducer hands it over, reduce.py).
+- The step reads those host shards directly: the C++ Adam (cpu_adam.py) in one pass
+  that also writes the param_dtype copy of the new values; any other optimizer is
+  stepped by torch on fp32 copies, and its new values are cast after. Loss-scale
+  unscaling and clipping become one factor the step applies, so the host gradients
+  are never rewritten.
+- The param_dtype copy goes back to the parameters' device into this rank's slot
+  of each parameter's buffer, which is then allgathered in place (stages 1 and 2).
+  At stage 3 it is the parameter's shard at rest: kept on the device, or in pinned
+  host memory with offload_params="cpu", copied in by each gather.
+- overlap_step=True steps each bucket on a worker thread as soon as its gradients
+  are on the host, so the CPU step runs under backward (overlap.py).
+Norms and overflow checks reduce host tensors, so those collectives run over Gloo."""
+
+import torch
+
+from horovod_zero.torch import mpi_ops
+from horovod_zero.torch.zero.offload.stepper import make_stepper
+
+
+def _host(numel, dtype, pin):
+    return torch.empty(numel, dtype=dtype, pin_memory=pin)
+
+
+class HostOffload:
+    def __init__(self, storage, optimizer, offload_params, log):
+        self._st = storage
+        self._cuda = storage.param_device.type == "cuda"
+        self._pin = self._cuda  # pinned memory makes the copies asynchronous; it needs CUDA
+        self.offload_params = offload_params
+        self.stepper = make_stepper(optimizer, log)
+        self._d2h = torch.cuda.Stream(storage.param_device) if self._cuda else None
+        self.h2d_stream = torch.cuda.Stream(storage.param_device) if self._cuda else None
+        self.grads = {}       # shard index -> host gradient shard (this step), or None: no rank had one
+        self._host_grad = {}  # shard index -> its pinned buffer, kept across steps
+        self._copies = {}     # shard index -> (event, device tensor) of its D2H copy in flight
+        self._published = set()  # shards whose new values are already on the device (publish())
+        self.out = []         # per shard: the param_dtype copy on the host
+        self.rest = []        # stage 3 without offload_params: the param_dtype shard on the device
+        self.scale = 1.0      # unscale * clip factor for the step
+        self.stats = {"d2h_bytes": 0, "h2d_bytes": 0}
+
+    def add_shards(self, shards, stores):
+        """Allocates the param_dtype copies of newly sharded parameters and fills them
+        from the masters."""
+        for s, store in zip(shards, stores):
+            self.out.append(_host(s.shard, store.dtype, self._pin))
+            if self._st.sharded_params and not self.offload_params:
+                self.rest.append(torch.empty(s.shard, dtype=store.dtype, device=store.device))
+            else:
+                self.rest.append(None)
+        self.refresh([s.index for s in shards])
+
+    # --- gradients in ---------------------------------------------------------
+
+    def take_grad(self, s, outs, early=False):
+        """This step's reduced gradient shard(s) of shard s (their reductions are done):
+        starts the copy to the host."""
+        out = outs[0]
+        if len(outs) > 1:  # several reductions this step: summed on the device first
+            out = outs[0].float()
+            for o in outs[1:]:
+                out.add_(o)
+        if not out.is_cuda:
+            self.grads[s.index] = out
+            return
+        buf = self._host_grad.get(s.index)
+        if buf is None or buf.dtype != out.dtype:
+            buf = self._host_grad[s.index] = _host(s.shard, out.dtype, True)
+        if len(outs) > 1:
+            self._d2h.wait_stream(torch.cuda.current_stream(out.device))  # the sum above
+        with torch.cuda.stream(self._d2h):
+            buf.copy_(out, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+        self._copies[s.index] = (ev, out)  # keeps the device shard alive until copied
+        self.stats["d2h_bytes"] += out.numel() * out.element_size()
+        self.grads[s.index] = buf
+
+    def no_grad(self, s):
+        self.grads[s.index] = None
+
+    def grads_arrived(self, indices=None):
+        """Waits for the gradient copies in flight (of `indices`, or all), releasing the GIL.
+        The worker of overlap_step calls it too, while backward adds copies."""
+        for i in list(self._copies) if indices is None else indices:
+            copy = self._copies.pop(i, None)
+            if copy is not None:
+                copy[0].synchronize()
+
+    # --- norms and overflow: host tensors, so Gloo ---------------------------------
+
+    def _present(self, indices=None):
+        idx = self.grads if indices is None else indices
+        return [self.grads[i] for i in idx if self.grads.get(i) is not None]
+
+    def norm(self):
+        """The global L2 norm of this step's gradients (times the pending factor)."""
+        self.grads_arrived()
+        local = torch.zeros(1, dtype=torch.float64)
+        for g in self._present():
+            local += torch.linalg.vector_norm(g, dtype=torch.float32).double().pow(2)
+        total = mpi_ops.allreduce(local, op=mpi_ops.Sum, name="zero.offload.grad_norm").sqrt()[0]
+        return total * self.scale
+
+    def found_inf(self):
+        self.grads_arrived()
+        bad = any(not bool(torch.isfinite(g).all()) for g in self._present())
+        local = torch.tensor([1.0 if bad else 0.0])
+        return bool(mpi_ops.allreduce(local, op=mpi_ops.Max, name="zero.offload.found_inf").item())
+
+    # --- the step --------------------------------------------------------------
+
+    def step(self, indices):
+        """Steps the shards at `indices` that have a gradient; writes their param_dtype copies."""
+        self.grads_arrived(indices)
+        items = [(i, self.grads[i]) for i in indices if self.grads.get(i) is not None]
+        self.stepper.step(self._st, items, self.out, self.scale)
+
+    def refresh(self, indices):
+        """out <- master for shards whose master changed outside a step (construction, loads)."""
+        with torch.no_grad():
+            for i in indices:
+                self.out[i].copy_(self._st.master_params[i].detach())
+                if self.rest[i] is not None:
+                    self.rest[i].copy_(self.out[i], non_blocking=self._pin)
+        self._published.difference_update(indices)
+
+    def clear(self):
+        self.grads.clear()
+        self._published.clear()
+        self.scale = 1.0
+
+    # --- parameters out -----------------------------------------------------------
+
+    def _slot(self, i, store):
+        s, r = self._st.shards[i], self._st.rank
+        return store[r * s.shard:(r + 1) * s.shard]
+
+    def publish(self, indices):
+        """Copies the new values of `indices` to where the next gather reads them (on the
+        current stream): the rest copy at stage 3, this rank's slot of the parameter's
+        buffer at stages 1 and 2. With offload_params they stay on the host."""
+        for i in indices:
+            if self._st.sharded_params and self.rest[i] is None:
+                continue
+            dst = self.rest[i] if self.rest[i] is not None else self._slot(i, self._st.stores[i])
+            dst.copy_(self.out[i], non_blocking=self._pin)
+            self._count_h2d(dst)
+            self._published.add(i)
+
+    def _count_h2d(self, t):
+        if self._cuda:
+            self.stats["h2d_bytes"] += t.numel() * t.element_size()
+
+    def source(self, i, store):
+        """The tensor on the parameters' device that the gather of shard i reads: the rest
+        copy, or this rank's slot of `store` (with the host values copied in, unless
+        publish() did already this step)."""
+        if self.rest[i] is not None:
+            return self.rest[i]
+        slot = self._slot(i, store)
+        if i not in self._published or self._st.sharded_params:
+            slot.copy_(self.out[i], non_blocking=self._pin)
+            self._count_h2d(slot)
+        return slot

@@ -1,0 +1,214 @@
+"""Optimizer offload (offload_optimizer="cpu", offload_params="cpu") over 2 and 3
+CPU ranks against a single-process torch reference of the same maths, for stages
+1-3, AdamW and SGD; checkpoints between offloaded and not offloaded jobs of other
+sizes; and the argument errors. On a machine without GPUs the parameters' device is
+the host too, so these run the offload code paths (host shards, the sink that takes
+reduced gradients, the gather source, the steppers) without the copies; the GPU
+tests (test/gpu/test_gpu_offload.py) run the same workers on CUDA."""
+
+import copy
+
+import pytest
+import torch
+
+import horovod_zero.torch as hvd
+from harness import launch
+from refs import STEPS, adamw, batch, mlp, mse, rank_rows, rel_err, train_reference
+
+
+def _on(device):
+    return hvd.device() if device == "cuda" else torch.device(device)
+
+
+def _inner(kind, model):
+    if kind == "adamw":
+        return adamw(model.named_parameters())
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
+
+
+def _wrap(model, kind, stage, **kwargs):
+    if stage == 3:
+        kwargs.setdefault("units", [torch.nn.Linear])
+    return hvd.DistributedZeroOptimizer(_inner(kind, model), model=model, stage=stage, **kwargs)
+
+
+def _train(model, opt, passes, clip, steps=STEPS, start=0):
+    n, r = hvd.size(), hvd.rank()
+    dev = next(model.parameters()).device
+    for step in range(start, start + steps):
+        for micro in range(passes):
+            x, y = batch(step, micro, dev)
+            mse(model, rank_rows(x, r, n), rank_rows(y, r, n)).backward()
+        if clip:
+            opt.clip_grad_norm_(clip)
+        opt.step()
+        opt.zero_grad()
+
+
+def _weights(model, opt):
+    """The model's full fp32-comparable weights (gathered at stage 3)."""
+    if opt.stage == 3:
+        with opt.gathered_params():
+            return [p.detach().double().cpu().clone() for p in model.parameters()]
+    return [p.detach().double().cpu().clone() for p in model.parameters()]
+
+
+def _reference(kind, passes, clip, steps=STEPS):
+    model = mlp()
+    ref, _ = train_reference(passes, clip, steps=steps, model=model, opt=_inner(kind, model))
+    return [p.detach().double() for p in ref.parameters()]
+
+
+def _parity(stage, kind, offload_params=None, device="cpu"):
+    """(mode, max relative error) for plain steps, clipping and 2 backward passes per step."""
+    out = []
+    for mode, passes, clip in (("plain", 1, None), ("clip", 1, 0.05), ("bpps2", 2, None)):
+        model = mlp(device=_on(device))
+        opt = _wrap(model, kind, stage, backward_passes_per_step=passes, offload_optimizer="cpu",
+                    offload_params=offload_params)
+        _train(model, opt, passes, clip)
+        errs = [rel_err(p, q) for p, q in zip(_weights(model, opt), _reference(kind, passes, clip))]
+        out.append((mode, max(errs), opt.offload_stats()["step"],
+                    {k for st in opt.state.values() for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0
+                     and v.device.type != "cpu"}))
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_offloaded_optimizer_matches_single_process_reference(ranks, stage, kind):
+    for rank_out in ranks.run(_parity, stage, kind):
+        for mode, err, step, state_off_host in rank_out:
+            assert err < 1e-5, (mode, err)
+            assert not state_off_host, state_off_host  # optimizer state lives on the host
+            if kind == "sgd":
+                assert step == "torch SGD.step()", step
+
+
+def test_stage3_with_parameters_offloaded_matches_reference(ranks):
+    for rank_out in ranks.run(_parity, 3, "adamw", "cpu"):
+        for mode, err, _, _ in rank_out:
+            assert err < 1e-5, (mode, err)
+
+
+def _overlap(stage, device="cpu"):
+    model = mlp(device=_on(device))
+    opt = _wrap(model, "adamw", stage, offload_optimizer="cpu", overlap_step=True)
+    _train(model, opt, 1, None)
+    errs = [rel_err(p, q) for p, q in zip(_weights(model, opt), _reference("adamw", 1, None))]
+    # What overlap_step refuses: clipping after the step ran, a second reduction in one step.
+    n, r = hvd.size(), hvd.rank()
+    x, y = batch(0, 0)
+    mse(model, rank_rows(x, r, n), rank_rows(y, r, n)).backward()
+    refused = []
+    try:
+        opt.clip_grad_norm_(1.0)
+    except RuntimeError as e:
+        refused.append(str(e))
+    try:
+        mse(model, rank_rows(x, r, n), rank_rows(y, r, n)).backward()
+        opt.step()
+    except RuntimeError as e:
+        refused.append(str(e))
+    opt.zero_grad()
+    return max(errs), refused
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_overlap_step_matches_reference_and_refuses_what_it_cannot_do(ranks, stage):
+    for err, refused in ranks.run(_overlap, stage):
+        assert err < 1e-5, err
+        assert len(refused) == 2, refused
+        assert "overlap_step=False to clip" in refused[0]
+        assert "reduced a second time in one step" in refused[1]
+
+
+def _save(path, steps, offload, stage):
+    hvd.init()
+    model = mlp()
+    opt = _wrap(model, "adamw", stage, offload_optimizer="cpu" if offload else None)
+    _train(model, opt, 1, None, steps=steps)
+    hvd.zero.save_checkpoint(path, model, opt)
+    hvd.shutdown()
+
+
+def _resume(path, steps, start, offload, stage):
+    hvd.init()
+    model = mlp(seed=123)  # different weights: the checkpoint must replace them
+    opt = _wrap(model, "adamw", stage, offload_optimizer="cpu" if offload else None)
+    hvd.zero.load_checkpoint(path, model, opt)
+    _train(model, opt, 1, None, steps=steps, start=start)
+    out = [w.tolist() for w in _weights(model, opt)]  # plain lists: the process exits
+    hvd.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("saved,loaded", [((2, True, 2), (3, False, 2)), ((3, False, 3), (2, True, 3)),
+                                          ((2, True, 3), (3, True, 2))],
+                         ids=["offloaded2-to-plain3", "plain3-to-offloaded2", "offloaded-stage3-to-stage2"])
+def test_checkpoints_move_between_offloaded_and_not_and_across_sizes(tmp_path, saved, loaded):
+    path = str(tmp_path / "ckpt.pt")
+    res = launch(_save, saved[0], path, 2, saved[1], saved[2], timeout=120)
+    assert all(s == "ok" for s, _ in res.values()), res
+    res = launch(_resume, loaded[0], path, 2, 2, loaded[1], loaded[2], timeout=120)
+    assert all(s == "ok" for s, _ in res.values()), res
+    ref = _reference("adamw", 1, None, steps=4)
+    for r in range(loaded[0]):
+        for w, q in zip(res[r][1], ref):
+            assert rel_err(torch.tensor(w, dtype=torch.float64), q) < 1e-5
+
+
+def _shard_round_trip():
+    """state_dict() of an offloaded optimizer loads into a fresh one, which then trains on
+    exactly as the first would have."""
+    model = mlp()
+    opt = _wrap(model, "adamw", 2, offload_optimizer="cpu")
+    _train(model, opt, 1, None, steps=2)
+    saved = copy.deepcopy(opt.state_dict())  # as a save to disk: torch's state_dict() shares the state tensors
+    model2 = mlp(seed=5)
+    opt2 = _wrap(model2, "adamw", 2, offload_optimizer="cpu")
+    opt2.load_state_dict(saved)
+    _train(model, opt, 1, None, steps=2, start=2)
+    _train(model2, opt2, 1, None, steps=2, start=2)
+    return max(rel_err(p, q) for p, q in zip(model2.parameters(), model.parameters()))
+
+
+def test_per_rank_state_dict_round_trip_with_offload(ranks):
+    assert all(err == 0.0 for err in ranks.run(_shard_round_trip))
+
+
+def _bad_offload_args():
+    model = mlp()
+    errors = {}
+    cases = {
+        "unknown": dict(offload_optimizer="gpu"),
+        "nvme_no_path": dict(offload_optimizer="nvme"),
+        "path_no_nvme": dict(offload_optimizer="cpu", nvme_path="/tmp"),
+        "params_stage2": dict(stage=2, offload_optimizer="cpu", offload_params="cpu"),
+        "params_alone": dict(stage=3, offload_params="cpu"),
+        "overlap_no_offload": dict(overlap_step=True),
+        "overlap_stage1": dict(stage=1, offload_optimizer="cpu", overlap_step=True),
+        "overlap_fp16": dict(offload_optimizer="cpu", overlap_step=True, param_dtype=torch.float16),
+        "overlap_sgd": dict(offload_optimizer="cpu", overlap_step=True, sgd=True),
+    }
+    for key, kwargs in cases.items():
+        kwargs = dict(kwargs)
+        stage = kwargs.pop("stage", 2)
+        kind = "sgd" if kwargs.pop("sgd", False) else "adamw"
+        try:
+            _wrap(model, kind, stage, **kwargs)
+            errors[key] = None
+        except ValueError as e:
+            errors[key] = str(e)
+        model = mlp()  # a refused wrap may not have touched it, but start clean
+    return errors
+
+
+def test_offload_argument_errors_say_what_to_do(ranks):
+    for errors in ranks.run(_bad_offload_args):
+        expect = {"unknown": "use None, 'cpu'", "nvme_no_path": "needs nvme_path=", "path_no_nvme": "only used with",
+                  "params_stage2": "is for stage=3", "params_alone": "needs offload_optimizer",
+                  "overlap_no_offload": "needs offload_optimizer", "overlap_stage1": "needs stage=2 or 3",
+                  "overlap_fp16": "loss scaling", "overlap_sgd": "Use overlap_step=False"}
+        for key, text in expect.items():
+            assert errors[key] is not None and text in errors[key], (key, errors[key])
