@@ -9,6 +9,7 @@
 #include "runtime/runtime.h"
 #include "transport/gloo/gloo_transport.h"
 #include "cuda_stream.h"
+#include "offload_aio.h"
 
 namespace py = pybind11;
 
@@ -495,4 +496,5 @@ PYBIND11_MODULE(_core, m) {
   m.attr("MIN") = static_cast<int>(ReduceOp::kMin);
   m.attr("MAX") = static_cast<int>(ReduceOp::kMax);
   m.attr("PRODUCT") = static_cast<int>(ReduceOp::kProduct);
+  RegisterOffloadAio(m);
 }
