@@ -14,6 +14,7 @@ namespace {
 
 constexpr int64_t kMinAlignment = 4096;
 constexpr int kMaxQueueDepth = 4096;
+constexpr int64_t kMaxRequestBytes = 1 << 30;  // the kernel moves at most ~2 GiB per read or write
 
 std::string ErrnoText(int err) {
   char buf[256];
@@ -67,6 +68,9 @@ Status AioFile::Open(const std::string& path, int64_t nbytes, const AioOptions& 
   if (options.queue_depth < 1 || options.queue_depth > kMaxQueueDepth)
     return Status::InvalidArgument("AioFile queue depth must be in [1, " + std::to_string(kMaxQueueDepth) + "], got " +
                                    std::to_string(options.queue_depth) + ".");
+  if (options.request_bytes < 1 || options.request_bytes > kMaxRequestBytes)
+    return Status::InvalidArgument("AioFile request size must be in [1, " + std::to_string(kMaxRequestBytes) +
+                                   "] bytes, got " + std::to_string(options.request_bytes) + ".");
   const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_DIRECT | O_CLOEXEC, 0600);
   if (fd < 0) {
     const int err = errno;

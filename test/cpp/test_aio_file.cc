@@ -206,6 +206,11 @@ TEST_F(AioFileTest, OpenErrorsNameTheFileAndTheReason) {
   s = AioFile::Open(path_, 4096, bad, &f);
   EXPECT_EQ(s.type(), StatusType::kInvalidArgument);
   EXPECT_NE(s.reason().find("queue depth"), std::string::npos) << s.reason();
+  AioOptions huge;
+  huge.request_bytes = int64_t{1} << 40;
+  s = AioFile::Open(path_, 4096, huge, &f);
+  EXPECT_EQ(s.type(), StatusType::kInvalidArgument);
+  EXPECT_NE(s.reason().find("request size"), std::string::npos) << s.reason();
 }
 
 }  // namespace

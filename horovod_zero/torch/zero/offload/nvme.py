@@ -187,7 +187,9 @@ def _aligned_empty(nelems, alignment, pin):
     return t.view(torch.float32)
 
 
-def _cleanup(files, lock_fd, directory):
+def _cleanup(owner_pid, files, lock_fd, directory):
+    if os.getpid() != owner_pid:  # a forked child exiting: the directory is its parent's
+        return
     try:
         for f in files:
             f.close()  # waits for what is in flight: the kernel may still use the staging buffers
@@ -212,6 +214,8 @@ class NvmeSwapper:
     def __init__(self, path, rank, regions, names=STATE_NAMES, sub_group_elems=DEFAULT_SUB_GROUP_ELEMS,
                  queue_depth=8, request_bytes=1 << 20, pin_memory=None, timeout_seconds=600.0):
         check_nvme_path(path)
+        if int(rank) < 0:
+            raise ValueError(f"rank must be >= 0, got {rank}.")
         self.regions = [int(n) for n in regions]
         if any(n < 0 for n in self.regions):
             raise ValueError(f"Region sizes must be >= 0 elements, got {self.regions}.")
@@ -222,9 +226,9 @@ class NvmeSwapper:
         if sub_group_elems < 1:
             raise ValueError(f"sub_group_elems must be >= 1, got {sub_group_elems}.")
         self.removed_stale = remove_stale_dirs(os.fspath(path))
-        self.directory, lock_fd = _make_locked_dir(os.fspath(path), rank)
+        self.directory, lock_fd = _make_locked_dir(os.fspath(path), int(rank))
         files = []
-        self._finalizer = weakref.finalize(self, _cleanup, files, lock_fd, self.directory)
+        self._finalizer = weakref.finalize(self, _cleanup, os.getpid(), files, lock_fd, self.directory)
         # The layout needs the file system's alignment, which a first open tells.
         probe = _core.AioFile(self._path(self.names[0]), 0, 1)
         self.alignment = probe.alignment
