@@ -386,8 +386,10 @@ class NvmeSwapper:
     def for_each(self, sub_groups, fn):
         """For each sub-group k of `sub_groups` in order: reads every state name's values
         into staging, calls fn(k, {name: float32 CPU tensor of hi - lo elements}), which
-        updates them in place, and writes them back. The read of k+1 is in flight while
-        fn(k) runs, and the write of k-1 finishes meanwhile. If fn raises, sub-groups
+        updates them in place, and writes them back. fn must be done with the views when
+        it returns (no asynchronous copy from them still running): their memory is reused
+        for later sub-groups. The read of k+1 is in flight while fn(k) runs, and the
+        write of k-1 finishes meanwhile. If fn raises, sub-groups
         before k are written, k and later are not, and the error is raised once nothing
         is in flight."""
         self._check_open()
