@@ -2,9 +2,9 @@
 # Sets up everything horovod_zero needs on a fresh machine and builds it in place:
 # a virtual environment (kept across runs in $HOROVOD_ZERO_VENV) with torch, the
 # build and test tools and Horovod's launcher, then the C++ core and extension.
-# It also installs the Debian packages the tests use (GoogleTest, Open MPI's
-# mpirun) when they are missing and apt-get can be run, and makes `horovodrun`
-# and `import horovod_zero` work in the environment.
+# It also installs the Debian packages the build and tests use (liburing for NVMe
+# offload, GoogleTest, Open MPI's mpirun) when they are missing and apt-get can be
+# run, and makes `horovodrun` and `import horovod_zero` work in the environment.
 # Prints the environment's python on its last line.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -22,8 +22,10 @@ if ! "$VENV/bin/python" -c "import torch, pytest, ninja, cmake, horovod.runner" 
       "$VENV/bin/pip" install -q --disable-pip-version-check horovod==0.28.1 >&2
 fi
 
-# Debian packages: libgtest-dev for the C++ tests, openmpi-bin for the mpirun launch test.
+# Debian packages: liburing-dev for NVMe offload (HVDZ_LIBURING_ROOT may name a copy
+# instead), libgtest-dev for the C++ tests, openmpi-bin for the mpirun launch test.
 missing=()
+[ -f /usr/include/liburing.h ] || [ -n "${HVDZ_LIBURING_ROOT:-}" ] || missing+=(liburing-dev)
 [ -f /usr/include/gtest/gtest.h ] || missing+=(libgtest-dev)
 command -v mpirun >/dev/null 2>&1 || missing+=(openmpi-bin)
 if [ ${#missing[@]} -gt 0 ]; then

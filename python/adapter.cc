@@ -10,6 +10,7 @@
 #include "transport/gloo/gloo_transport.h"
 #include "cuda_stream.h"
 #include "offload_adam.h"
+#include "offload_aio.h"
 
 namespace py = pybind11;
 
@@ -497,4 +498,5 @@ PYBIND11_MODULE(_core, m) {
   m.attr("MIN") = static_cast<int>(ReduceOp::kMin);
   m.attr("MAX") = static_cast<int>(ReduceOp::kMax);
   m.attr("PRODUCT") = static_cast<int>(ReduceOp::kProduct);
+  RegisterOffloadAio(m);
 }
