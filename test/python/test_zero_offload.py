@@ -98,7 +98,7 @@ def _overlap(stage, device="cpu"):
     errs = [rel_err(p, q) for p, q in zip(_weights(model, opt), _reference("adamw", 1, None))]
     # What overlap_step refuses: clipping after the step ran, a second reduction in one step.
     n, r = hvd.size(), hvd.rank()
-    x, y = batch(0, 0)
+    x, y = batch(0, 0, _on(device))
     mse(model, rank_rows(x, r, n), rank_rows(y, r, n)).backward()
     refused = []
     try:
