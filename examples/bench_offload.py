@@ -51,16 +51,16 @@ class Mode:
 
 
 _CPU = {"device": "cpu", "pin_memory": True}
-MODES = {
+MODES = {  # in the table's order: each of ours beside its peers
     "ddp": Mode("ddp"),
     "zero2-cpu": Mode("ours", dict(stage=2, offload_optimizer="cpu", overlap_step=True)),
     "zero2-cpu-serial": Mode("ours", dict(stage=2, offload_optimizer="cpu", overlap_step=False)),
-    "zero3-cpu": Mode("ours", dict(stage=3, offload_params="cpu", offload_optimizer="cpu", overlap_step=True)),
-    "zero3-nvme": Mode("ours", dict(stage=3, offload_optimizer="nvme"), nvme=True),
     "ds2-offload": Mode("deepspeed", dict(stage=2, offload_optimizer=_CPU)),
+    "zero3-cpu": Mode("ours", dict(stage=3, offload_params="cpu", offload_optimizer="cpu", overlap_step=True)),
     "ds3-offload": Mode("deepspeed", dict(stage=3, offload_param=_CPU, offload_optimizer=_CPU)),
-    "ds3-nvme": Mode("deepspeed", dict(stage=3, offload_optimizer={"device": "nvme", "pin_memory": True}), nvme=True),
     "fsdp2-cpu": Mode("fsdp2"),
+    "zero3-nvme": Mode("ours", dict(stage=3, offload_optimizer="nvme"), nvme=True),
+    "ds3-nvme": Mode("deepspeed", dict(stage=3, offload_optimizer={"device": "nvme", "pin_memory": True}), nvme=True),
     "disk-floor": Mode("disk", nvme=True),
 }
 # The peer each of ours is measured against: its ratio column.
@@ -93,8 +93,8 @@ def loss_fn(net, x, y):
     return F.cross_entropy(net(x).flatten(0, 1).float(), y.flatten())
 
 
-def ddp_step(model, mode, args, dev, x, y, nvme_dir):
-    net = torch.nn.parallel.DistributedDataParallel(model)
+def ddp_step(model, mode, dev, x, y, nvme_dir):
+    net = torch.nn.parallel.DistributedDataParallel(model.to(dev))
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4, weight_decay=0.1)
 
     def step():
@@ -106,7 +106,7 @@ def ddp_step(model, mode, args, dev, x, y, nvme_dir):
     return step
 
 
-def ours_step(model, mode, args, dev, x, y, nvme_dir):
+def ours_step(model, mode, dev, x, y, nvme_dir):
     import horovod_zero.torch as hvd
     hvd.init()
     kwargs = dict(mode.options, nvme_path=nvme_dir) if mode.nvme else mode.options
@@ -130,7 +130,7 @@ def ours_step(model, mode, args, dev, x, y, nvme_dir):
     return step
 
 
-def deepspeed_step(model, mode, args, dev, x, y, nvme_dir):
+def deepspeed_step(model, mode, dev, x, y, nvme_dir):
     import deepspeed
     zero = dict(mode.options, overlap_comm=True, contiguous_gradients=True)
     if mode.nvme:
@@ -147,7 +147,7 @@ def deepspeed_step(model, mode, args, dev, x, y, nvme_dir):
     return step
 
 
-def fsdp2_step(model, mode, args, dev, x, y, nvme_dir):
+def fsdp2_step(model, mode, dev, x, y, nvme_dir):
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     offload = CPUOffloadPolicy(pin_memory=True)
@@ -218,7 +218,7 @@ def dir_bytes(path):
 def per_step(after, before, steps):
     if after is None or before is None:
         return None
-    return {k: (after[k] - before[k]) / steps for k in after if k in before}
+    return {k: (after[k] - before[k]) / steps for k in after if isinstance(after[k], (int, float)) and k in before}
 
 
 def measure(name, mode, args, dev, nvme_dir):
@@ -228,10 +228,10 @@ def measure(name, mode, args, dev, nvme_dir):
         import torch.distributed as dist
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", device_id=dev if dev.type == "cuda" else None)
     torch.manual_seed(0)
-    model = Decoder(**cfg).to(dev)
+    model = Decoder(**cfg).to(dev if args.init_device == "gpu" else "cpu")
     ids = torch.randint(0, cfg["vocab"], (args.micro_batch, cfg["seq"] + 1),
                         generator=torch.Generator().manual_seed(0)).to(dev)
-    step = STEPS[mode.system](model, mode, args, dev, ids[:, :-1], ids[:, 1:], nvme_dir)
+    step = STEPS[mode.system](model, mode, dev, ids[:, :-1], ids[:, 1:], nvme_dir)
     steps, warmup = steps_of(name, args)
     # The training peak: construction's transient fp32 copies are not counted; lazy allocations are.
     if dev.type == "cuda":
@@ -524,15 +524,18 @@ def parent(args, argv):
     cfg = model_cfg(args)
     params = count_params(cfg)
     head, setup = settings(args, cfg, params)
+    if not names:  # only --merge: the rows' own setups say what ran
+        head = f"== bench_offload: the runs in {', '.join(args.merge)}"
     print(head, flush=True)
     merged = {}  # a mode run again replaces its earlier row
     for r in [r for path in args.merge for r in read_results(path)] + run_modes(names, args, argv, params, setup):
         merged[r["mode"]] = r
-    results = list(merged.values())
+    results = sorted(merged.values(), key=lambda r: list(MODES).index(r["mode"]))
     setups = sorted({r["setup"] for r in results if "setup" in r})
     lines = [head, *table(results), *details(results)]
-    if len(setups) > 1:
-        lines += ["note: the rows come from runs of different setups:", *setups]
+    if len(setups) > 1 or not names:
+        lines += ["setups of the rows:" if len(setups) == 1 else "note: the rows come from runs of different setups:",
+                  *setups]
     print("\n" + "\n".join(lines), flush=True)
     if args.json:
         with open(args.json, "w") as f:
@@ -545,6 +548,9 @@ def main():
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=None, help="sequence length (default 2048; tiny 64)")
     ap.add_argument("--layers", type=int, default=None, help="decoder blocks (default 16): to shrink or grow the model")
+    ap.add_argument("--init-device", choices=("gpu", "cpu"), default="gpu",
+                    help="where the fp32 model is built before the mode wraps it: cpu for models whose fp32 "
+                         "copy does not fit on the GPU (its host memory then counts in the RSS peak)")
     ap.add_argument("--tiny", action="store_true", help="a tiny model: a smoke test that runs on CPU too")
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 5; NVMe modes 3)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2; NVMe modes 1)")

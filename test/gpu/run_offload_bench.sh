@@ -4,10 +4,12 @@
 # compiles its ops once (kept in build/torch_extensions on a warm machine), then runs
 # examples/bench_offload.py on a preset within one device call; logs and JSON lines go to $OUT.
 #   PRESET=fast   ddp, zero2-cpu, zero2-cpu-serial, ds2-offload, zero3-cpu, ds3-offload, fsdp2-cpu
-#   PRESET=ours   ddp, zero2-cpu, zero2-cpu-serial, zero3-cpu     (fast, split in two if a call runs
-#   PRESET=peers  ds2-offload, ds3-offload, fsdp2-cpu              short; --merge joins the tables)
+#   PRESET=ours   ddp, zero2-cpu, zero2-cpu-serial, zero3-cpu     (fast split in two, if one call is too
+#   PRESET=peers  ds2-offload, ds3-offload, fsdp2-cpu              short; bench_offload.py --modes ""
+#                                                                  --merge A.jsonl B.jsonl joins the tables)
 #   PRESET=nvme   zero3-nvme, ds3-nvme and the disk floor, on NVME_PATH (default build/nvme; >= 30 GB free)
-# MODES overrides the preset's modes, SKIP_BUILD=1 uses the build there is, PYTHON the interpreter, BENCH_ARGS adds options (e.g. "--layers 24"), BUDGET (s, default
+# MODES overrides the preset's modes, SKIP_BUILD=1 uses the build there is (REBUILD=1: builds anyway),
+# PYTHON the interpreter, BENCH_ARGS adds options (e.g. "--layers 24"), BUDGET (s, default
 # 570) bounds the whole call: modes that would not finish in it are reported as skipped.
 set -uo pipefail
 t_start=$(date +%s)
@@ -34,7 +36,8 @@ timeouts="$timeouts,disk-floor=90,zero3-nvme=300,ds3-nvme=360"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2> /dev/null | head -1
 "$PY" -c 'import sys; print("python", sys.version.split()[0])'
 
-if [ "${SKIP_BUILD:-0}" != 1 ] && ! "$PY" -c 'import sys, horovod_zero.torch as h; sys.exit(0 if h.cuda_built() else 1)' 2> /dev/null; then
+if [ "${REBUILD:-0}" = 1 ] || { [ "${SKIP_BUILD:-0}" != 1 ] \
+     && ! "$PY" -c 'import sys, horovod_zero.torch as h; sys.exit(0 if h.cuda_built() else 1)' 2> /dev/null; }; then
   # The compiler whose libstdc++ python and torch load (see run_on_gpu_machine.sh).
   if [ -x /usr/bin/g++ ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++; fi
   t0=$(date +%s)
