@@ -127,6 +127,7 @@ def ours_step(model, mode, dev, x, y, nvme_dir):
         loss_fn(model, x, y).backward()
         opt.step()
         opt.zero_grad()
+    step.offload_stats = opt.offload_stats  # cumulative bytes moved by offload
     return step
 
 
@@ -188,9 +189,8 @@ def proc_io():
     return {"read": int(fields["read_bytes"]), "write": int(fields["write_bytes"])}
 
 
-def offload_stats():
-    import horovod_zero.torch as hvd
-    stats = getattr(hvd, "offload_stats", None)
+def offload_stats(step):
+    stats = getattr(step, "offload_stats", None)
     return dict(stats()) if stats is not None else None
 
 
@@ -240,9 +240,9 @@ def measure(name, mode, args, dev, nvme_dir):
         step()
     sync()
     ours = mode.system == "ours"
-    io0, off0 = proc_io(), offload_stats() if ours else None
+    io0, off0 = proc_io(), offload_stats(step) if ours else None
     t = median_time(step, steps, warmup=0)
-    io1, off1 = proc_io(), offload_stats() if ours else None
+    io1, off1 = proc_io(), offload_stats(step) if ours else None
     return {"step_s": t, "tokens_per_s": args.micro_batch * cfg["seq"] / t, "steps": steps, "warmup": warmup,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None,
             "rss_peak_gib": rss_peak_gib(), "pinned_peak_gib": pinned_peak_gib() if dev.type == "cuda" else None,

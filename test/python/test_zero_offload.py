@@ -190,6 +190,7 @@ def _bad_offload_args():
         "overlap_stage1": dict(stage=1, offload_optimizer="cpu", overlap_step=True),
         "overlap_fp16": dict(offload_optimizer="cpu", overlap_step=True, param_dtype=torch.float16),
         "overlap_sgd": dict(offload_optimizer="cpu", overlap_step=True, sgd=True),
+        "nvme_not_wired": dict(offload_optimizer="nvme", nvme_path="/tmp"),
     }
     for key, kwargs in cases.items():
         kwargs = dict(kwargs)
@@ -198,7 +199,7 @@ def _bad_offload_args():
         try:
             _wrap(model, kind, stage, **kwargs)
             errors[key] = None
-        except ValueError as e:
+        except (ValueError, NotImplementedError) as e:
             errors[key] = str(e)
         model = mlp()  # a refused wrap may not have touched it, but start clean
     return errors
@@ -209,6 +210,7 @@ def test_offload_argument_errors_say_what_to_do(ranks):
         expect = {"unknown": "use None, 'cpu'", "nvme_no_path": "needs nvme_path=", "path_no_nvme": "only used with",
                   "params_stage2": "is for stage=3", "params_alone": "needs offload_optimizer",
                   "overlap_no_offload": "needs offload_optimizer", "overlap_stage1": "needs stage=2 or 3",
-                  "overlap_fp16": "loss scaling", "overlap_sgd": "Use overlap_step=False"}
+                  "overlap_fp16": "loss scaling", "overlap_sgd": "Use overlap_step=False",
+                  "nvme_not_wired": "Use offload_optimizer='cpu'"}
         for key, text in expect.items():
             assert errors[key] is not None and text in errors[key], (key, errors[key])

@@ -58,5 +58,9 @@ class OffloadOptions:
     def build(self, storage, optimizer, reducer, gatherer, log):
         if self.optimizer is None:
             return None
+        if self.optimizer == "nvme":
+            raise NotImplementedError(
+                "offload_optimizer='nvme' is not wired into DistributedZeroOptimizer yet (the NVMe swap files of "
+                "offload/nvme.py exist; the optimizer does not use them). Use offload_optimizer='cpu'.")
         from horovod_zero.torch.zero.offload.engine import Offload
         return Offload(self, storage, optimizer, reducer, gatherer, log)
