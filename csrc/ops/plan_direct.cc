@@ -55,7 +55,7 @@ int Planner::DefaultDirectMaxTensors(int size) { return size <= 4 ? std::numeric
 bool Planner::UseDirect(DeviceContext& ctx, const Group& g) const {
   if (g.entries.size() < 2 || static_cast<int64_t>(g.entries.size()) > direct_max_tensors_) return false;
   const OpType op = g.head().op;
-  if (!ctx.comm().SupportsGroups() && op == OpType::kAllreduce) return false;  // Gloo's ring wins, see the note
+  if (!ctx.comm().Groups(op) && op == OpType::kAllreduce) return false;  // Gloo's ring wins, see the note
   int64_t bytes = 0;
   for (size_t i = 0; i < g.entries.size(); ++i) {
     if (!EvenSplit(*g.responses[i], size_)) return false;
@@ -66,7 +66,7 @@ bool Planner::UseDirect(DeviceContext& ctx, const Group& g) const {
 
 Status Planner::PlanDirect(DeviceContext& ctx, const Group& g, Program* p) const {
   const Response& r = g.head();
-  p->grouped = ctx.comm().SupportsGroups();  // else (Gloo) the calls run one after another
+  p->grouped = ctx.comm().Groups(r.op);  // else (Gloo's broadcast) the calls run one after another
   // A prescaled reducescatter sends scaled copies from one scratch buffer, so its
   // small tensors cannot have a buffer of their own: all go as calls.
   const bool scratch = r.op == OpType::kReducescatter && r.prescale != 1.0;

@@ -63,7 +63,7 @@ class ThreadCommunicator : public Communicator {
   Status Broadcast(void* buf, int64_t count, DataType dtype, int root) override;
   Status Alltoall(const void* in, void* out, const std::vector<int64_t>& send_counts,
                   const std::vector<int64_t>& recv_counts, DataType dtype) override;
-  bool SupportsGroups() const override { return groups_; }
+  bool Groups(OpType) const override { return groups_; }
   Status GroupStart() override;
   Status GroupEnd() override;
 
