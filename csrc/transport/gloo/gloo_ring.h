@@ -16,7 +16,10 @@
 // (a direct group, Communicator::GroupStart) go through each step together:
 // one wait per step for the whole group, no fusion buffer and no copy in or out.
 // With 2 ranks a reduce-scatter receives straight into its output and needs no
-// scratch; beyond that one segment per tensor holds the partial sums.
+// scratch; beyond that one segment per tensor holds the partial sums. Ops of under
+// 1 MiB keep Gloo's own collectives (kRingMinBytes in gloo_transport.cc): there the
+// handshake of each send (the receiver announces its buffer first) costs more than
+// the bytes.
 #pragma once
 
 #include <chrono>
