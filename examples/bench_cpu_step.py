@@ -5,6 +5,8 @@ Linear(1024, 1024), batch 64, fp32, torch.optim.AdamW(fused=True)).
     python examples/bench_cpu_step.py [--ranks 2] [--threads 1] [--steps 10] [--warmup 3]
                                       [--systems ddp,zero1,zero2] [--pin] [--repeats 1]
 
+--systems also takes zero2+overlap (overlap_param_gather=True).
+
 Every rank builds the three systems from the same seed (DDP on a torch.distributed
 Gloo group of its own store, ours on hvd.init()), then runs them in turns, one
 step each, so that a change of load on a shared machine hits all of them. Each
@@ -14,7 +16,9 @@ step is split into phases timed on the training thread:
            with the hooks that enqueue the reduce-scatters)
   reduce   ZeRO: submitting what is left and waiting for the reductions (step's start)
   inner    the inner optimizer's step (ZeRO: on the master shards)
-  gather   ZeRO: the allgather of the updated shards into the parameters
+  gather   ZeRO: the allgather of the updated shards into the parameters (with
+           "zero2+overlap", overlap_param_gather=True: only its enqueue; the
+           forward waits for each layer's parameters)
   rest     everything else: zero_grad, Python around the step
 `cpu` is the CPU time of every thread of the process per step (the background
 thread, Gloo's threads); with one core per rank, CPU time beyond the training
@@ -71,7 +75,8 @@ def make_system(name, torch, args, rank):
         import horovod_zero.torch as hvd
         net = m
         inner = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
-        opt = hvd.DistributedZeroOptimizer(inner, model=m, stage=int(name[-1]))
+        opt = hvd.DistributedZeroOptimizer(inner, model=m, stage=int(name[4]),
+                                           overlap_param_gather=name.endswith("+overlap"))
         # Instance attributes shadow the methods step() calls.
         opt._finish_reduction = timer.wrap("reduce", opt._finish_reduction)
         inner.step = timer.wrap("inner", inner.step)
@@ -187,7 +192,7 @@ def main():
     print(f"\n{args.ranks} ranks x {args.threads} thread(s), {args.layers} x Linear({args.width}), batch {args.batch}, "
           f"fp32, AdamW(fused=True); {args.steps} steps after {args.warmup} warmup, {args.repeats} repeat(s)"
           f"{', pinned' if args.pin else ''}. ms: median over ranks and repeats of each's median step [min-max].")
-    print(f"{'system':7} {'step':>20} {'vs ddp':>7} " + " ".join(f"{p:>7}" for p in PHASES) + f" {'cpu':>7}")
+    print(f"{'system':14} {'step':>20} {'vs ddp':>7} " + " ".join(f"{p:>7}" for p in PHASES) + f" {'cpu':>7}")
     base = statistics.median(m["step"] for m in per["ddp"]) if "ddp" in per else None
     for s in systems:
         steps = [m["step"] for m in per[s]]
@@ -195,7 +200,7 @@ def main():
         ratio = f"{med / base:6.2f}x" if base else "     -"
         cols = " ".join(f"{statistics.median(m[p] for m in per[s]):7.1f}" for p in PHASES)
         cpu = statistics.median(m["cpu"] for m in per[s])
-        print(f"{s:7} {med:7.1f} [{min(steps):5.1f}-{max(steps):5.1f}] {ratio:>7} {cols} {cpu:7.1f}")
+        print(f"{s:14} {med:7.1f} [{min(steps):5.1f}-{max(steps):5.1f}] {ratio:>7} {cols} {cpu:7.1f}")
 
 
 if __name__ == "__main__":
