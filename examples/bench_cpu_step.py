@@ -22,8 +22,8 @@ step is split into phases timed on the training thread:
   rest     everything else: zero_grad, Python around the step
 `cpu` is the CPU time of every thread of the process per step (the background
 thread, Gloo's threads); with one core per rank, CPU time beyond the training
-thread's competes with it. --pin puts rank r on core r (taskset), when the
-machine has enough cores. Medians over the timed steps, then the median and
+thread's competes with it. --pin puts rank r, every thread of it, on the r-th core
+this job may use (as taskset would). Medians over the timed steps, then the median and
 range over ranks and repeats.
 """
 
@@ -104,7 +104,8 @@ def one_step(torch, net, opt, timer, x):
 
 def rank_main(rank, args, port, out):
     if args.pin:
-        os.sched_setaffinity(0, {rank % os.cpu_count()})
+        cores = sorted(os.sched_getaffinity(0))  # the cores this job may use, not every core
+        os.sched_setaffinity(0, {cores[rank % len(cores)]})
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.ranks), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(args.ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       OMP_NUM_THREADS=str(args.threads))
