@@ -11,6 +11,8 @@ import torch
 
 import horovod_zero.torch as hvd
 from harness import launch
+from horovod_zero.torch import mpi_ops
+from horovod_zero.torch.basics import _core
 from horovod_zero.torch import functions
 from refs import DTYPES, FLOATS, assert_close as _assert_close, dtype, make, reduce_ref, scatter_slice
 
@@ -181,6 +183,12 @@ def _large(dtype_name, op_name, prescale):
     every = hvd.allgather_object(outs)
     for j, g in enumerate(gathered):
         assert torch.equal(g, torch.cat([every[k][j] for k in range(n)]).to(g.dtype)), j
+    # In place: the output is this rank's own slice of the input (as NCCL allows).
+    x = ins[r][0].clone()
+    mine = scatter_slice(x, n, r)
+    hvd.synchronize(mpi_ops._enqueue(_core.OP_REDUCESCATTER, [x], [mine], [f"big_rs_inplace.{tag}"], op,
+                                     prescale=0.5 if prescale else 1.0))
+    _assert_close(mine, outs[2], dtype_name)
 
 
 @pytest.mark.parametrize("dtype_name,op_name,prescale", [

@@ -82,14 +82,27 @@ int64_t PieceBytes(const RingOptions& o, int64_t elem) { return std::max<int64_t
 // that of segment r - s - 2 from the previous one, adding this rank's own part of it;
 // after n - 1 steps the segment received is r, complete. The partial sums alternate
 // between a scratch segment and the output, so that the last step lands in the output.
-Status GlooRing::ReduceScatter(const std::vector<RingCall>& calls, DataType dtype, ReduceOp op) {
+Status GlooRing::ReduceScatter(const std::vector<RingCall>& given, DataType dtype, ReduceOp op) {
   const int n = b_->getSize(), r = b_->getRank();
   const int64_t elem = static_cast<int64_t>(DataTypeSize(dtype)), piece = PieceBytes(options_, elem);
   try {
     if (n == 1) {
-      for (const auto& c : calls)
+      for (const auto& c : given)
         if (c.send != c.recv) std::memmove(c.recv, c.send, c.count * elem);
       return Status::OK();
+    }
+    // An output inside its own input (in place, as NCCL allows) would be overwritten
+    // by a receive before its own part is added: such a call lands in a temporary.
+    std::vector<RingCall> calls(given);
+    std::vector<at::Tensor> temps(calls.size());
+    for (size_t k = 0; k < calls.size(); ++k) {
+      const char* in = static_cast<const char*>(calls[k].send);
+      const char* out = static_cast<const char*>(calls[k].recv);
+      const int64_t bytes = calls[k].count * elem;
+      if (out + bytes > in && out < in + n * bytes) {
+        temps[k] = at::empty({bytes}, at::kByte);
+        calls[k].recv = temps[k].data_ptr();
+      }
     }
     at::Tensor scratch;
     std::vector<char*> other(calls.size(), nullptr);
@@ -126,6 +139,8 @@ Status GlooRing::ReduceScatter(const std::vector<RingCall>& calls, DataType dtyp
       }
       step.Wait();
     }
+    for (size_t k = 0; k < calls.size(); ++k)
+      if (temps[k].defined()) std::memcpy(given[k].recv, calls[k].recv, calls[k].count * elem);
     return Status::OK();
   } catch (const std::exception& e) {
     return Status::Aborted(std::string("Gloo reducescatter (ring of sends) failed: ") + e.what());

@@ -34,7 +34,8 @@ namespace hvdz {
 
 // One tensor of a ring op: `send` holds size * count elements for a reduce-scatter
 // and count for an allgather (which may sit in its own slot of `recv`); `recv` gets
-// count elements (reduce-scatter) or size * count, rank-major (allgather).
+// count elements (reduce-scatter; it may lie inside `send`) or size * count,
+// rank-major (allgather).
 struct RingCall {
   const void* send;
   void* recv;
