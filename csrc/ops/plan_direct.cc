@@ -18,16 +18,18 @@
 // for the 45 tensors of 4 MiB and up plus one for the rest ran 1.05x the flat call,
 // against 0.92x for 79 calls): their copies are small, their calls were not.
 //
-// Gloo cannot group calls, so on CPU a direct group's calls run one after another.
-// That pays for allgather, reducescatter and broadcast, whose copies through the
-// buffer cost about what the calls do (and the buffer is memory held besides), but
-// not for allreduce, where Gloo's ring over one large buffer beats several calls by
+// On CPU, Gloo's reducescatter and allgather are rings of sends that take a whole
+// group through each step together ([Note: rings over Gloo's sends]), so a direct
+// group of them is one launch with no copies. Gloo's broadcast and allreduce cannot
+// be grouped, so a direct broadcast group's calls run one after another, and
+// allreduce stays fused: Gloo's ring over one large buffer beats several calls by
 // more than the copies cost. Measured on 2 CPU ranks of a shared 2-core machine, 8
-// tensors each (median ms, fused -> direct): allgather 4 MiB 93-109 -> 46-48,
-// 16 MiB 511-543 -> 360-378; reducescatter 4 MiB 50 -> 43-44, 16 MiB 192-195 ->
-// 129-137; broadcast 4 MiB 25 -> 16, 16 MiB 70-89 -> 47-48; allreduce 4 MiB 35-36 ->
-// 44-45, 16 MiB 128-132 -> 137-169. So a ZeRO step on CPU holds no fusion buffer the
-// size of its gradient buckets or of its initial broadcast (examples/bench_memory_cpu.py).
+// tensors each (median ms, fused -> direct, calls one after another, before the
+// rings): allgather 4 MiB 93-109 -> 46-48, 16 MiB 511-543 -> 360-378; reducescatter
+// 4 MiB 50 -> 43-44, 16 MiB 192-195 -> 129-137; broadcast 4 MiB 25 -> 16, 16 MiB
+// 70-89 -> 47-48; allreduce 4 MiB 35-36 -> 44-45, 16 MiB 128-132 -> 137-169. So a
+// ZeRO step on CPU holds no fusion buffer the size of its gradient buckets or of its
+// initial broadcast (examples/bench_memory_cpu.py).
 #include <algorithm>
 #include <limits>
 
@@ -55,7 +57,7 @@ int Planner::DefaultDirectMaxTensors(int size) { return size <= 4 ? std::numeric
 bool Planner::UseDirect(DeviceContext& ctx, const Group& g) const {
   if (g.entries.size() < 2 || static_cast<int64_t>(g.entries.size()) > direct_max_tensors_) return false;
   const OpType op = g.head().op;
-  if (!ctx.comm().SupportsGroups() && op == OpType::kAllreduce) return false;  // Gloo's ring wins, see the note
+  if (!ctx.comm().Groups(op) && op == OpType::kAllreduce) return false;  // Gloo's ring wins, see the note
   int64_t bytes = 0;
   for (size_t i = 0; i < g.entries.size(); ++i) {
     if (!EvenSplit(*g.responses[i], size_)) return false;
@@ -66,7 +68,7 @@ bool Planner::UseDirect(DeviceContext& ctx, const Group& g) const {
 
 Status Planner::PlanDirect(DeviceContext& ctx, const Group& g, Program* p) const {
   const Response& r = g.head();
-  p->grouped = ctx.comm().SupportsGroups();  // else (Gloo) the calls run one after another
+  p->grouped = ctx.comm().Groups(r.op);  // else (Gloo's broadcast) the calls run one after another
   // A prescaled reducescatter sends scaled copies from one scratch buffer, so its
   // small tensors cannot have a buffer of their own: all go as calls.
   const bool scratch = r.op == OpType::kReducescatter && r.prescale != 1.0;

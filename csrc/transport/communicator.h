@@ -36,10 +36,11 @@ class Communicator {
   virtual Status Alltoall(const void* in, void* out, const std::vector<int64_t>& send_counts,
                           const std::vector<int64_t>& recv_counts, DataType dtype) = 0;
 
-  // A communicator that runs the calls issued between GroupStart and GroupEnd
-  // as one launch (NCCL) gets a direct group's calls that way; one without (Gloo)
-  // gets them one after another (see [Note: direct groups]).
-  virtual bool SupportsGroups() const { return false; }
+  // Whether calls of `op` issued between GroupStart and GroupEnd run as one launch
+  // (NCCL: every op; Gloo: reducescatter and allgather, see [Note: rings over
+  // Gloo's sends]). A direct group of such an op goes inside one group; otherwise
+  // its calls run one after another (see [Note: direct groups]).
+  virtual bool Groups(OpType) const { return false; }
   virtual Status GroupStart() { return Status::OK(); }
   virtual Status GroupEnd() { return Status::OK(); }
 };

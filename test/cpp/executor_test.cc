@@ -305,10 +305,12 @@ void Rank::ExpectCost(const GroupSpec& g, size_t copies_before, size_t buffers_b
 }
 
 // Runs `groups` in order on every rank and checks each one's results and cost.
-void RunAndCheck(const std::vector<GroupSpec>& groups, bool comm_groups, int size = 3) {
+void RunAndCheck(const std::vector<GroupSpec>& groups, bool comm_groups, int size = 3,
+                 std::vector<OpType> group_only = {}) {
   testing::CollectiveHub hub(size);
   testing::Spawn(size, [&](int r) {
     Rank k(hub, r, comm_groups);
+    k.comm.GroupOnly(group_only);
     for (const auto& g : groups) {
       const size_t copies = k.ctx.copies.size(), buffers = k.ctx.buffers.size(), launches = k.comm.launches().size();
       k.counters.Reset();
@@ -464,6 +466,30 @@ TEST(Executor, DirectGroupsRunInPlaceAsOneGroupedLaunch) {
     gs.push_back(g);
   }
   RunAndCheck(gs, /*comm_groups=*/true);
+}
+
+// The Gloo communicator groups reducescatter and allgather (its rings run a whole
+// group through each step) but not allreduce: there the same sizes take the fusion
+// buffer, as Gloo's ring over one buffer beats a call per tensor.
+TEST(Executor, OnACommunicatorThatGroupsOnlyScatterAndGatherAllreduceFuses) {
+  const int64_t n = 300000;  // 1.2 MB of floats
+  std::vector<GroupSpec> gs;
+  {
+    auto g = Group(kRS, kF32, kF32, {T("g.rs.a", {n}), T("g.rs.b", {n}, Out::kAllocated)});
+    g.cost = {0, -1, 0, 0, 2, true, 2 * n * 4};
+    gs.push_back(g);
+  }
+  {
+    auto g = Group(kAG, kF32, kF32, {T("g.ag.a", {n}), T("g.ag.b", {n}, Out::kAllocated)});
+    g.cost = {0, -1, 0, 0, 2, true, 2 * 3 * n * 4};
+    gs.push_back(g);
+  }
+  {
+    auto g = Group(kAR, kF32, kF32, {T("g.ar.a", {n}), T("g.ar.b", {n}, Out::kAllocated)});
+    g.cost = {2, -1, 2, 1, 1, false, 2 * n * 4};
+    gs.push_back(g);
+  }
+  RunAndCheck(gs, /*comm_groups=*/true, 3, {kRS, kAG});
 }
 
 TEST(Executor, ALoneEvenAllgatherSendsFromItsSlotOfTheOutput) {

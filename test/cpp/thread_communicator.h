@@ -5,6 +5,7 @@
 // group would see stale data.
 #pragma once
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
@@ -63,7 +64,11 @@ class ThreadCommunicator : public Communicator {
   Status Broadcast(void* buf, int64_t count, DataType dtype, int root) override;
   Status Alltoall(const void* in, void* out, const std::vector<int64_t>& send_counts,
                   const std::vector<int64_t>& recv_counts, DataType dtype) override;
-  bool SupportsGroups() const override { return groups_; }
+  bool Groups(OpType op) const override {
+    return groups_ && (group_only_.empty() || std::find(group_only_.begin(), group_only_.end(), op) != group_only_.end());
+  }
+  // Groups only these ops, as the Gloo communicator groups reduce-scatter and allgather only.
+  void GroupOnly(std::vector<OpType> ops) { group_only_ = std::move(ops); }
   Status GroupStart() override;
   Status GroupEnd() override;
 
@@ -80,6 +85,7 @@ class ThreadCommunicator : public Communicator {
   CollectiveHub& hub_;
   int rank_;
   bool groups_;
+  std::vector<OpType> group_only_;  // empty: every op
   int64_t fail_count_ = -1;
   bool in_group_ = false;
   bool group_failed_ = false;

@@ -11,6 +11,8 @@ import torch
 
 import horovod_zero.torch as hvd
 from harness import launch
+from horovod_zero.torch import mpi_ops
+from horovod_zero.torch.basics import _core
 from horovod_zero.torch import functions
 from refs import DTYPES, FLOATS, assert_close as _assert_close, dtype, make, reduce_ref, scatter_slice
 
@@ -151,6 +153,49 @@ def _grouped():
 
 def test_grouped_ops(ranks_fusion):
     ranks_fusion.run(_grouped)
+
+
+# Tensors of over 1 MiB that split evenly: a group of them runs as a direct group,
+# whose reduce-scatter and allgather on CPU go through the rings of sends
+# (csrc/transport/gloo/gloo_ring.h), each rank's segment in more than one piece.
+LARGE = [(300_001,), (4, 70_000)]
+
+
+def _large(dtype_name, op_name, prescale):
+    n, r = hvd.size(), hvd.rank()
+    shapes = [(n * s[0],) + s[1:] for s in LARGE]
+    ins = [[make(k, s, dtype_name, 9 + i) for i, s in enumerate(shapes)] for k in range(n)]
+    op = getattr(hvd, op_name)
+    kw = dict(prescale_factor=0.5) if prescale else {}
+    tag = f"{dtype_name}.{op_name}.{prescale}"
+    outs = hvd.grouped_reducescatter(ins[r], op=op, name=f"big_rs.{tag}", **kw) + \
+        [hvd.reducescatter(ins[r][0], op=op, name=f"big_rs1.{tag}", **kw)]  # a lone one: no group
+    for i, o in zip([0, 1, 0], outs):
+        ref = reduce_ref([ins[k][i] for k in range(n)], op_name)
+        if prescale:
+            ref = ref * 0.5
+        _assert_close(o, scatter_slice(ref, n, r).to(o.dtype), dtype_name)
+    # Each rank's reduced rows gathered back: the allgather rings, grouped and lone
+    # (for fp32 with a cast on the way in), against every rank's outputs as they are.
+    odt = torch.bfloat16 if dtype(dtype_name) == torch.float32 else None
+    gathered = hvd.grouped_allgather(outs[:2], name=f"big_ag.{tag}") + \
+        [hvd.allgather(outs[2], name=f"big_ag1.{tag}", output_dtype=odt)]
+    every = hvd.allgather_object(outs)
+    for j, g in enumerate(gathered):
+        assert torch.equal(g, torch.cat([every[k][j] for k in range(n)]).to(g.dtype)), j
+    # In place: the output is this rank's own slice of the input (as NCCL allows).
+    x = ins[r][0].clone()
+    mine = scatter_slice(x, n, r)
+    hvd.synchronize(mpi_ops._enqueue(_core.OP_REDUCESCATTER, [x], [mine], [f"big_rs_inplace.{tag}"], op,
+                                     prescale=0.5 if prescale else 1.0))
+    _assert_close(mine, outs[2], dtype_name)
+
+
+@pytest.mark.parametrize("dtype_name,op_name,prescale", [
+    ("float32", "Sum", False), ("float32", "Average", False), ("float32", "Min", False), ("float32", "Max", False),
+    ("float32", "Average", True), ("bfloat16", "Sum", False), ("float64", "Sum", False), ("int32", "Max", False)])
+def test_large_groups_on_rings(ranks, dtype_name, op_name, prescale):
+    ranks.run(_large, dtype_name, op_name, prescale)
 
 
 def _async_and_poll():

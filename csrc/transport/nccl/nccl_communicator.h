@@ -30,7 +30,7 @@ class NcclCommunicator : public Communicator {
   Status Broadcast(void* buf, int64_t count, DataType dtype, int root) override;
   Status Alltoall(const void* in, void* out, const std::vector<int64_t>& send_counts,
                   const std::vector<int64_t>& recv_counts, DataType dtype) override;
-  bool SupportsGroups() const override { return true; }
+  bool Groups(OpType) const override { return true; }
   Status GroupStart() override;
   Status GroupEnd() override;
 
