@@ -66,3 +66,10 @@ def test_offload_moves_one_bf16_shard_each_way_per_step(gpus, stage):
 def test_overlap_step_steps_shards_while_backward_runs(gpus):
     for stats, shard, steps in gpus.run(_traffic, 2, True, 24, 2048):
         assert stats["stepped_before_step"] > 0, stats
+
+
+def test_nvme_offload_on_cuda_matches_the_reference(gpus, tmp_path):
+    for rank_out in gpus.run(cpu._parity, 3, "adamw", None, "cuda", str(tmp_path)):
+        for mode, err, step, _ in rank_out:
+            assert err < 1e-5, (mode, err)
+            assert step.endswith("on NVMe"), step

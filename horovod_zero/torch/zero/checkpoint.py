@@ -25,6 +25,11 @@ def _gather_full(t, s, name):
 def consolidated_state_dict(model, opt):
     """Full fp32 parameters (and the model's other state) plus the optimizer state,
     on rank 0; None on the other ranks. Every rank must call it."""
+    with opt._materialized():
+        return _consolidated(model, opt)
+
+
+def _consolidated(model, opt):
     inner = opt.optimizer
     params, state = {}, {}
     for s, mp in zip(opt._shards, opt._master_params):
@@ -168,6 +173,11 @@ def load_consolidated(state, model, opt):
 
 
 def _load(state, model, opt, source, failure=None):
+    with opt._materialized(write_back=True):
+        _load_into(state, model, opt, source, failure)
+
+
+def _load_into(state, model, opt, source, failure):
     skeleton, tensors = _share_structure(state, source, failure)
     order = _check_fits(skeleton, opt)
     state = _fill(skeleton, tensors, opt._device)

@@ -50,6 +50,11 @@ def save_model(path, model, opt):
     """Writes the model's full weights (fp32 for the trained parameters) to `path` from
     rank 0, streamed parameter by parameter, atomically (a temporary file renamed over
     `path`). Every rank must call it. Read it with load_model() or safetensors."""
+    with opt._materialized():  # NVMe offload: the master shards are on disk
+        _save_model(path, model, opt)
+
+
+def _save_model(path, model, opt):
     entries = _entries(model, opt)
     tmp, f, failure = f"{path}.tmp.{os.getpid()}", None, None
     if rank() == 0:

@@ -22,6 +22,7 @@
   them first, and the model's forward pre-hook checks one parameter (guard.py).
 """
 
+import contextlib
 import logging
 import weakref
 
@@ -165,9 +166,8 @@ class DistributedZeroOptimizer:
         parameters, and hooks their parameters."""
         params = self._storage.add_groups(self.optimizer.param_groups[first:], first, self._names)
         self._reducer.extend(len(params))
-        if self._offload is not None:
-            new = self._storage.shards[-len(params):] if params else []
-            self._offload.host.add_shards(new, self._storage.stores[-len(params):] if params else [])
+        if self._offload is not None and params:
+            self._offload.add_shards(self._storage.shards[-len(params):], self._storage.stores[-len(params):])
         model = self._model() if self._model is not None else None
         if model is not None:
             self._slots += guard.module_slots(model, params)
@@ -185,6 +185,8 @@ class DistributedZeroOptimizer:
         if self._reducer.busy:
             raise RuntimeError("add_param_group() while gradients wait for step(): call it after step() and "
                                "zero_grad(), or before the first backward().")
+        if self._offload is not None:
+            self._offload.check_add_group()
         group = dict(param_group)
         params = [group["params"]] if torch.is_tensor(group["params"]) else list(group["params"])
         self._check_new(params)
@@ -369,16 +371,36 @@ class DistributedZeroOptimizer:
     def state(self):
         return self.optimizer.state
 
+    def _materialized(self, write_back=False):
+        """With NVMe offload the master shards and optimizer state are on disk: this block
+        has them in memory (and writes them back after it if write_back)."""
+        return self._offload.materialized(write_back) if self._offload is not None else contextlib.nullcontext()
+
     def state_dict(self):
         """This rank's shard: its master weights and inner optimizer state."""
         self.wait_for_params()
+        with self._materialized():
+            out = self._state_dict()
+        return out
+
+    def _state_dict(self):
+        inner = self.optimizer.state_dict()
+        if self._offload is not None and self._offload.nvme is not None:
+            # Copies, not views of the flat buffers read from disk: those are freed after
+            # this, and a saved view would carry its whole buffer.
+            inner["state"] = {k: {n: v.clone() if torch.is_tensor(v) else v for n, v in st.items()}
+                              for k, st in inner["state"].items()}
         return {"zero": {"world_size": self._size, "rank": self._rank, "stage": self.stage,
                          "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None,
                          "optimizer": compat.describe(self.optimizer, self._plan, self._names is not None)},
                 "master": [m.detach().clone() for m in self._master],
-                "inner": self.optimizer.state_dict()}
+                "inner": inner}
 
     def load_state_dict(self, state):
+        with self._materialized(write_back=True):
+            self._load_state_dict(state)
+
+    def _load_state_dict(self, state):
         meta = state.get("zero", {})
         if meta.get("world_size") != self._size or meta.get("rank") != self._rank:
             raise ValueError(

@@ -1,22 +1,43 @@
 """The optimizer's side of offload: wires HostOffload (and overlap_step's worker)
 into the gradient reducer and the gatherer, and runs the host step."""
 
-import torch
+import contextlib
 
 from horovod_zero.torch.zero.offload.host import HostOffload
 from horovod_zero.torch.zero.offload.overlap import OverlapSink
+from horovod_zero.torch.zero.offload.stepper import make_stepper
 
 
 class Offload:
     def __init__(self, options, storage, optimizer, reducer, gatherer, log):
         self._st = storage
-        self.host = HostOffload(storage, optimizer, options.params, log)
+        self.nvme = None
+        if options.optimizer == "nvme":
+            from horovod_zero.torch.zero.offload.nvme_state import NvmeState
+            self.nvme = NvmeState(options.nvme_path, storage, optimizer)
+        stepper = self.nvme if self.nvme is not None else make_stepper(optimizer, log)
+        self.host = HostOffload(storage, stepper, options.params)
         if options.overlap_step and not self.host.stepper.fast:
             raise ValueError(f"overlap_step=True needs torch.optim.Adam or AdamW, which the C++ CPU Adam steps; "
                              f"{type(optimizer).__name__} is stepped by torch after backward. Use overlap_step=False.")
         self.sink = OverlapSink(self.host, storage) if options.overlap_step else None
         reducer.sink = self.sink if self.sink is not None else self.host
         gatherer.source = self.host.source
+
+    def add_shards(self, shards, stores):
+        self.host.add_shards(shards, stores)  # the param_dtype copies, from the masters
+        if self.nvme is not None:
+            self.nvme.add_shards(shards)  # then the masters go to disk
+
+    def check_add_group(self):
+        if self.nvme is not None and self._st.shards:
+            raise ValueError("add_param_group() with offload_optimizer='nvme': the state files are laid out at "
+                             "construction. Put every param group in the optimizer before wrapping it.")
+
+    def materialized(self, write_back):
+        """The whole master and optimizer state in host memory for the block (NVMe), written
+        back after it if write_back; without NVMe it always is."""
+        return self.nvme.materialized(write_back) if self.nvme is not None else contextlib.nullcontext()
 
     def step(self, indices):
         early = set()
@@ -55,5 +76,7 @@ class Offload:
 
     def stats(self):
         out = dict(self.host.stats)
+        if self.nvme is not None:
+            out.update(self.nvme.stats())
         out["step"] = self.host.stepper.describe()
         return out

@@ -22,7 +22,6 @@ Norms and overflow checks reduce host tensors, so those collectives run over Glo
 import torch
 
 from horovod_zero.torch import mpi_ops
-from horovod_zero.torch.zero.offload.stepper import make_stepper
 
 
 def _host(numel, dtype, pin):
@@ -30,12 +29,12 @@ def _host(numel, dtype, pin):
 
 
 class HostOffload:
-    def __init__(self, storage, optimizer, offload_params, log):
+    def __init__(self, storage, stepper, offload_params):
         self._st = storage
         self._cuda = storage.param_device.type == "cuda"
         self._pin = self._cuda  # pinned memory makes the copies asynchronous; it needs CUDA
         self.offload_params = offload_params
-        self.stepper = make_stepper(optimizer, log)
+        self.stepper = stepper  # stepper.py's, or NvmeState
         self._d2h = torch.cuda.Stream(storage.param_device) if self._cuda else None
         self.h2d_stream = torch.cuda.Stream(storage.param_device) if self._cuda else None
         self.grads = {}       # shard index -> host gradient shard (this step), or None: no rank had one

@@ -44,6 +44,9 @@ class OffloadOptions:
                                  "offload_optimizer='cpu' or 'nvme'.")
             if stage == 1:
                 raise ValueError("overlap_step=True needs stage=2 or 3: at stage 1 gradients are reduced at step().")
+            if optimizer == "nvme":
+                raise ValueError("overlap_step=True is for offload_optimizer='cpu': with 'nvme' the state is read "
+                                 "and written in sub-groups at step().")
             if loss_scaling:
                 raise ValueError("overlap_step=True cannot be used with loss scaling (fp16): an overflow is known "
                                  "only once every gradient is in. Use bf16, or overlap_step=False.")
@@ -58,9 +61,5 @@ class OffloadOptions:
     def build(self, storage, optimizer, reducer, gatherer, log):
         if self.optimizer is None:
             return None
-        if self.optimizer == "nvme":
-            raise NotImplementedError(
-                "offload_optimizer='nvme' is not wired into DistributedZeroOptimizer yet (the NVMe swap files of "
-                "offload/nvme.py exist; the optimizer does not use them). Use offload_optimizer='cpu'.")
         from horovod_zero.torch.zero.offload.engine import Offload
         return Offload(self, storage, optimizer, reducer, gatherer, log)
