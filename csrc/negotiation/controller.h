@@ -43,8 +43,8 @@ struct CycleResult {
   bool self_joined = false;
   bool join_done = false;
   int last_joined = -1;
-  // Some rank waits on work in another process set, which needs this rank back in
-  // the next exchange soon.
+  // Some rank has work in another process set, which waits for this rank's next
+  // exchange in this set: see [Note: process sets] in runtime/process_set.h.
   bool peers_pending = false;
 };
 
@@ -52,7 +52,8 @@ class Controller {
  public:
   // `scope`: the process set `cp` connects, for the ranks messages name.
   Controller(ControlPlane& cp, const Params& params, const Logger& log, const SetScope& scope = SetScope());
-  // `pending_elsewhere`: this rank waits on work in another process set.
+  // `pending_elsewhere`: this rank has work in another process set (new, or
+  // waiting on other ranks), which other ranks meet in this set's exchanges.
   Status RunCycle(const std::vector<Request>& new_requests, bool want_shutdown, CycleResult* out,
                   bool pending_elsewhere = false);
 

@@ -24,12 +24,14 @@
 // kernels run in the order they were issued, which is that same order (NCCL warns
 // that communicators whose kernels run concurrently can deadlock).
 //
-// Every rank takes part in every global cycle, so an idle rank that is in no busy
-// set still paces the others: a rank that waits on another set's work says so in
-// its global header (peers then cycle within 50 us, like a rank with work of its
-// own), and while the job has sets besides the global one the idle period stops
-// at 10 ms instead of 250 ms (Runtime::NextWait), which bounds how long a set's
-// first op after an idle spell can wait for a non-member to wake.
+// Every rank takes part in every global cycle, so a rank that is in no busy set
+// still paces the others: a set's exchange waits for its members' global exchange,
+// which waits for every rank. So a rank with new or waiting work in a set says so
+// in its global header, and while any rank does, every rank cycles again within
+// 50 us, like a rank with work of its own; and while the job has sets besides the
+// global one the idle period stops at 10 ms instead of 250 ms (Runtime::NextWait),
+// which bounds how long a set's first op after an idle spell waits for the others
+// to wake.
 //
 // Adding and removing sets. The set table must change on every rank at the same
 // point of that order, or members would wait in a set's exchange that another

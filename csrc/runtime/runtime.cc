@@ -132,8 +132,7 @@ void Runtime::LogGroup(const ProcessSet& ps, const std::vector<const Response*>&
   HVDZ_LOG(logger_, kDebug) << "Fusion group: " << OpTypeName(r.op) << " of " << group.size() << " tensor(s) ("
                             << NameList(group, [](const Response* g) { return g->name; }) << "), " << elems
                             << " " << DataTypeName(r.out_dtype) << " elements (rank 0's shapes), over "
-                            << (r.on_cuda ? "NCCL (CUDA)" : "Gloo (CPU)") << (ps.id() == 0 ? "" : ", in ")
-                            << (ps.id() == 0 ? "" : ps.scope().Name());
+                            << (r.on_cuda ? "NCCL (CUDA)" : "Gloo (CPU)") << ps.scope().Where();
 }
 
 void Runtime::ExecuteGroup(ProcessSet& ps, const std::vector<const Response*>& group, bool joined,
@@ -283,8 +282,12 @@ void Runtime::Loop() {
 Status Runtime::RunCycles(std::vector<Request> fresh, bool* busy, CycleResult* g) {
   *busy = !fresh.empty();
   std::map<int32_t, std::vector<Request>> by_set;
-  for (auto& r : fresh) by_set[r.process_set].push_back(std::move(r));
-  HVDZ_RETURN_IF_ERROR(global().controller().RunCycle(by_set[0], shutdown_requested_.load(), g, PendingElsewhere()));
+  bool elsewhere = PendingElsewhere();
+  for (auto& r : fresh) {
+    elsewhere = elsewhere || r.process_set != 0;
+    by_set[r.process_set].push_back(std::move(r));
+  }
+  HVDZ_RETURN_IF_ERROR(global().controller().RunCycle(by_set[0], shutdown_requested_.load(), g, elsewhere));
   ApplySetChanges(*g);
   Execute(global(), *g, Clock::now());
   *busy = *busy || g->slow_path || !g->responses.empty();

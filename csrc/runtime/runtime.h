@@ -108,7 +108,8 @@ class Runtime {
   void Activate(std::unique_ptr<ProcessSet> ps);
   void SplitCudaContexts(ProcessSet& ps);
   void Remove(int32_t id);
-  bool PendingElsewhere();  // this rank waits on work in a set other than the global one
+  // This rank waits on work in a set other than the global one.
+  bool PendingElsewhere();
   // runtime_join.cc: this joined rank's zeros for an allreduce it did not submit,
   // and join()'s return.
   Status StandIn(const Response& r, TensorEntry* e);
