@@ -171,6 +171,72 @@ def test_sets_added_and_removed_while_the_job_runs():
         assert "exists already" in errors["global"] and "process_set_id=0" in errors["global"]
 
 
+# --- the helpers ---------------------------------------------------------------------------
+
+
+def _model(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+
+
+def _loss(model, rank):
+    return model(make(rank, (8, 4), "float32", 5)).pow(2).sum()
+
+
+def _helpers():
+    ps = hvd.add_process_set([0, 2])
+    r = hvd.rank()
+    try:
+        model = _model(seed=r)  # every rank starts elsewhere
+        if ps.included():
+            hvd.broadcast_parameters(model.state_dict(), root_rank=2, process_set=ps)
+            root = _model(seed=2)
+            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), root.parameters()))
+            assert hvd.broadcast_object({"from": r}, root_rank=2, process_set=ps) == {"from": 2}
+            assert hvd.allgather_object(("rank", r), process_set=ps) == [("rank", 0), ("rank", 2)]
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            _loss(model, r).backward()
+            opt.step()  # momentum buffers differ by rank
+            hvd.broadcast_optimizer_state(opt, root_rank=2, process_set=ps)
+            ref = _model(seed=2)
+            ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+            _loss(ref, 2).backward()
+            ref_opt.step()
+            for p, q in zip(model.parameters(), ref.parameters()):
+                assert torch.equal(opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"])
+
+        # DistributedOptimizer over the set: members average their gradients, rank 1 steps alone.
+        model = _model(seed=0)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(), process_set=ps)
+        for _ in range(2):
+            opt.zero_grad()
+            _loss(model, r).backward()
+            opt.step()
+        ref = _model(seed=0)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        for _ in range(2):
+            grads = []
+            for k in (ps.ranks if ps.included() else [r]):
+                ref.zero_grad()
+                _loss(ref, k).backward()
+                grads.append([p.grad.clone() for p in ref.parameters()])
+            for p, *gs in zip(ref.parameters(), *grads):
+                p.grad = sum(gs) / len(gs)
+            ref_opt.step()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert_close(p.detach(), q.detach(), "float32")
+        return [p.detach().clone() for p in model.parameters()]
+    finally:
+        hvd.remove_process_set(ps)
+
+
+def test_helpers_and_distributed_optimizer_over_a_set():
+    params = _pool(3).run(_helpers)
+    assert all(torch.equal(p, q) for p, q in zip(params[0], params[2]))
+    assert not all(torch.equal(p, q) for p, q in zip(params[0], params[1]))  # rank 1 trained on its own
+
+
 # --- static sets, init and shutdown, and the dynamic switch --------------------------------
 
 
