@@ -1,12 +1,17 @@
 """Idle cost and the latency of the first op after idle, on CPU ranks of one host.
 
-    python examples/bench_idle.py [--ranks 2] [--control shm|gloo] [--idle 5]
+    python examples/bench_idle.py [--ranks 2] [--control shm|gloo] [--idle 5] [--set]
 
 Each rank inits, waits 1 s, then measures its process CPU time (every thread)
 over --idle seconds of doing nothing. Then, several times, every rank idles for a
 gap, rank 0 submits a small allreduce at an agreed wall-clock time and the other
 ranks 20 ms later; the figure is how long after the last submission the op
 completes on rank 0 (median and max over the repeats).
+
+--set registers a process set of ranks 0 and 1 (run it with --ranks 3 or more):
+the idle cost is then that of a job with process sets, and the op is an allreduce
+in that set, which the ranks outside it, idle all along, must let through (see
+[Note: process sets] in csrc/runtime/process_set.h).
 """
 
 import argparse
@@ -32,7 +37,8 @@ def rank_main(rank, size, port, args, out):
                       HOROVOD_ZERO_SHM_CONTROL="1" if args.control == "shm" else "0")
     import torch
     import horovod_zero.torch as hvd
-    hvd.init()
+    pair = hvd.ProcessSet([0, 1])
+    hvd.init(process_sets=[pair] if args.set else None)
     hvd.allreduce(torch.ones(4), name="warm")
     time.sleep(1.0)
     c0, w0 = cpu_seconds(), time.monotonic()
@@ -43,9 +49,12 @@ def rank_main(rank, size, port, args, out):
         start = hvd.broadcast_object(time.time() + gap, 0, name=f"t{i}")
         late = 0.0 if rank == 0 else 0.02
         time.sleep(max(0.0, start + late - time.time()))
-        hvd.allreduce(torch.ones(4), name=f"first.{i}")
+        if args.set and not pair.included():
+            continue
+        hvd.allreduce(torch.ones(4), name=f"first.{i}", process_set=pair if args.set else hvd.global_process_set)
         lat.append((time.time() - (start + 0.02)) * 1e3)
     out.put((rank, idle_pct, lat))
+    hvd.barrier()  # a rank's shutdown stops every rank: the set's last ops first
     hvd.shutdown()
 
 
@@ -56,6 +65,7 @@ def main():
     ap.add_argument("--idle", type=float, default=5.0)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--verbose", action="store_true", help="every measurement, by idle gap")
+    ap.add_argument("--set", action="store_true", help="a process set of ranks 0 and 1; the op runs in it")
     args = ap.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -69,7 +79,10 @@ def main():
     for p in procs:
         p.join()
     for rank, idle_pct, lat in res:
-        print(f"rank {rank} ({args.control}): idle CPU {idle_pct:5.2f}% of a core over {args.idle:.0f} s; "
+        if not lat:
+            print(f"rank {rank} ({args.control}, not in the set): idle CPU {idle_pct:5.2f}% of a core")
+            continue
+        print(f"rank {rank} ({args.control}{', in the set' if args.set else ''}): idle CPU {idle_pct:5.2f}% of a core over {args.idle:.0f} s; "
               f"op after idle completes {statistics.median(lat):6.2f} ms (median), {max(lat):6.2f} ms (max) "
               "after the last rank submits")
         if args.verbose:

@@ -142,6 +142,10 @@ VARIABLES = (
              "network interface Gloo uses; unset: the one the hostname resolves to"),
     Variable("HOROVOD_ZERO_SHM_CONTROL", "shm_control", "job", _Bool(), True,
              "negotiate through shared memory when every rank is on one host; 0: over Gloo"),
+    Variable("HOROVOD_DYNAMIC_PROCESS_SETS", "dynamic_process_sets", "job", _Bool(), False,
+             "1: process sets can be added and removed while the job runs (hvd.add_process_set(), "
+             "hvd.remove_process_set()), as hvd.init(process_sets=\"dynamic\") allows; 0: only those passed to "
+             "hvd.init()"),
     Variable("HOROVOD_ZERO_EXACT_GRADIENTS", "exact_gradients", "job", _Bool(), False,
              "1: the collectives' gradients are the exact gradients of the sum of every rank's loss; "
              "0: Horovod's gradients"),
@@ -177,6 +181,7 @@ class Settings:
     copy_stream_bytes: int
     gloo_iface: str
     shm_control: bool
+    dynamic_process_sets: bool
     exact_gradients: bool
 
 

@@ -120,8 +120,9 @@ struct OpArgs {
   int reduce_op;
   double prescale;
   double postscale;
-  int root;
+  int root;  // a rank of the job, in the process set
   std::optional<at::ScalarType> output_dtype;
+  int process_set = 0;
 };
 
 Status Validate(const OpArgs& a, const std::string& name, DataType dt, DataType out_dt, const at::Tensor& t, int size) {
@@ -220,13 +221,14 @@ class PyRuntime {
   // (output, received splits), the splits made like `splits_like` (int32 on the
   // host when None).
   int64_t EnqueueAlltoall(const at::Tensor& input, const std::vector<int64_t>& splits, const std::string& name,
-                          const std::optional<at::Tensor>& splits_like) {
-    const OpArgs args{static_cast<int>(OpType::kAlltoall), static_cast<int>(ReduceOp::kSum), 1.0, 1.0, 0, std::nullopt};
+                          const std::optional<at::Tensor>& splits_like, int process_set) {
+    const OpArgs args{static_cast<int>(OpType::kAlltoall), static_cast<int>(ReduceOp::kSum), 1.0, 1.0, 0, std::nullopt,
+                      process_set};
     void* stream = input.is_cuda() ? CurrentCudaStream(input.device().index()) : nullptr;
     std::vector<TensorEntry> entries(1);
     TensorEntry& e = entries[0];
     Check(MakeEntry(args, input, std::nullopt, name, stream, &e));
-    Check(CheckSplits(splits, name, input.size(0)));
+    Check(CheckSplits(splits, name, input.size(0), process_set));
     e.request.splits = splits;
     auto kept = std::static_pointer_cast<Kept>(e.keepalive);
     kept->splits_options = splits_like ? splits_like->options() : at::TensorOptions().dtype(at::kInt);
@@ -246,6 +248,43 @@ class PyRuntime {
     const TensorDesc out = Describe(kept->output, DataType::kInt32);
     int64_t h = 0;
     Check(rt_->EnqueueJoin(device, out, std::move(kept), &h));
+    return h;
+  }
+
+  // Process sets (see [Note: process sets]); collective over every rank. On a
+  // member, `backend` is a Gloo group of the set's ranks (rank = its place in the
+  // set) and `shm_name` non-empty says to negotiate through shared memory. Returns
+  // the handle of the change.
+  int64_t AddProcessSet(int id, const std::vector<int>& ranks, const std::optional<GlooBackend>& backend,
+                        const std::string& shm_name) {
+    std::unique_ptr<ControlPlane> control;
+    std::unique_ptr<Communicator> comm;
+    if (backend) {
+      const double timeout = rt_->params().transport_timeout_seconds;
+      if (!shm_name.empty()) {
+        std::unique_ptr<ShmControlPlane> shm;
+        Status s;
+        {
+          py::gil_scoped_release nogil;  // waits for the set's other ranks to attach
+          s = ShmControlPlane::Create(shm_name, (*backend)->getRank(), (*backend)->getSize(), timeout, &shm);
+        }
+        if (s.ok()) control = std::move(shm);
+        else HVDZ_LOG(rt_->logger(), kWarning) << "Process set " << id << " negotiates over Gloo instead of shared memory: " << s.reason();
+      }
+      if (!control) control = MakeGlooControlPlane(*backend, timeout);
+      comm = MakeGlooCommunicator(*backend, timeout);
+    }
+    auto kept = Carrier();
+    int64_t h = 0;
+    Check(rt_->AddProcessSet(id, ranks, std::move(control), std::move(comm), Describe(kept->output, DataType::kInt32),
+                             kept, &h));
+    return h;
+  }
+
+  int64_t RemoveProcessSet(int id) {
+    auto kept = Carrier();
+    int64_t h = 0;
+    Check(rt_->RemoveProcessSet(id, Describe(kept->output, DataType::kInt32), kept, &h));
     return h;
   }
 
@@ -317,6 +356,7 @@ class PyRuntime {
     e.request.root = a.root;
     e.request.prescale = a.prescale;
     e.request.postscale = a.postscale;
+    e.request.process_set = a.process_set;
     e.request.shape.assign(in.sizes().begin(), in.sizes().end());
     e.input = Describe(in, dt);
     // The input and the output live until the collective is done; then the handle
@@ -363,16 +403,25 @@ class PyRuntime {
     return Status::OK();
   }
 
-  Status CheckSplits(const std::vector<int64_t>& splits, const std::string& name, int64_t dim0) const {
-    const int size = rt_->world().size;
+  // The one-element tensor a process set change moves (see Runtime::AddProcessSet).
+  static std::shared_ptr<Kept> Carrier() {
+    auto kept = std::make_shared<Kept>();
+    kept->output = at::zeros({1}, at::TensorOptions().dtype(at::kInt));
+    return kept;
+  }
+
+  Status CheckSplits(const std::vector<int64_t>& splits, const std::string& name, int64_t dim0, int process_set) const {
+    // A set that does not exist is refused by Enqueue, with a message that says so.
+    const int size = rt_->ProcessSetSize(process_set);
     int64_t sum = 0;
     for (auto s : splits) {
       if (s < 0) return Status::InvalidArgument("alltoall of '" + name + "': splits " + ShapeString(splits) + " has a negative count.");
       sum += s;
     }
-    if (static_cast<int>(splits.size()) != size)
+    if (size >= 0 && static_cast<int>(splits.size()) != size)
       return Status::InvalidArgument("alltoall of '" + name + "': splits " + ShapeString(splits) + " has " +
-                                     std::to_string(splits.size()) + " counts; pass one per rank (" + std::to_string(size) + ").");
+                                     std::to_string(splits.size()) + " counts; pass one per rank (" + std::to_string(size) +
+                                     (process_set == 0 ? std::string() : " in process set " + std::to_string(process_set)) + ").");
     if (sum != dim0)
       return Status::InvalidArgument("alltoall of '" + name + "': splits " + ShapeString(splits) + " add up to " +
                                      std::to_string(sum) + " rows, but the tensor has " + std::to_string(dim0) +
@@ -442,9 +491,9 @@ PYBIND11_MODULE(_core, m) {
   py::object internal_error = py::exception<std::runtime_error>(m, "HorovodInternalError", PyExc_RuntimeError);
 
   py::class_<OpArgs>(m, "OpArgs")
-      .def(py::init<int, int, double, double, int, std::optional<at::ScalarType>>(), py::arg("op"),
+      .def(py::init<int, int, double, double, int, std::optional<at::ScalarType>, int>(), py::arg("op"),
            py::arg("reduce_op"), py::arg("prescale"), py::arg("postscale"), py::arg("root"),
-           py::arg("output_dtype"));
+           py::arg("output_dtype"), py::arg("process_set") = 0);
 
   // Filled by horovod_zero/settings.py: core_params(), which names these fields.
   py::class_<Params>(m, "Params")
@@ -476,7 +525,10 @@ PYBIND11_MODULE(_core, m) {
       .def("enqueue", &PyRuntime::Enqueue)
       .def("enqueue_one", &PyRuntime::EnqueueOne)
       .def("enqueue_alltoall", &PyRuntime::EnqueueAlltoall, py::arg("tensor"), py::arg("splits"), py::arg("name"),
-           py::arg("splits_like") = std::nullopt)
+           py::arg("splits_like") = std::nullopt, py::arg("process_set") = 0)
+      .def("add_process_set", &PyRuntime::AddProcessSet, py::arg("id"), py::arg("ranks"), py::arg("backend"),
+           py::arg("shm_name"))
+      .def("remove_process_set", &PyRuntime::RemoveProcessSet, py::arg("id"))
       .def("join", &PyRuntime::Join, py::arg("device"))
       .def("wait", &PyRuntime::Wait)
       .def("wait_all", &PyRuntime::WaitAll)

@@ -10,18 +10,18 @@ namespace {
 
 std::string DeviceKind(const Request& r) { return r.on_cuda() ? "cuda" : "cpu"; }
 
-// Formats "rank p has A, rank q has B" for the first rank whose value differs from
-// the first request's.
+// Formats "rank p has A, rank q has B" (world ranks) for the first rank whose
+// value differs from the first request's.
 template <typename Get>
-std::string FirstMismatch(const std::vector<Request>& reqs, const char* what, Get get) {
+std::string FirstMismatch(const std::vector<Request>& reqs, const SetScope& scope, const char* what, Get get) {
   auto ref = get(reqs[0]);
   for (size_t r = 1; r < reqs.size(); ++r) {
     auto v = get(reqs[r]);
     if (v != ref) {
       std::ostringstream os;
-      os << "Mismatched " << what << " for tensor '" << reqs[0].name << "': rank " << reqs[0].rank << " has " << ref
-         << ", rank " << reqs[r].rank << " has " << v << ". Every rank must submit this tensor with the same "
-         << what << ".";
+      os << "Mismatched " << what << " for tensor '" << reqs[0].name << "'" << scope.Where() << ": rank "
+         << scope.World(reqs[0].rank) << " has " << ref << ", rank " << scope.World(reqs[r].rank) << " has " << v
+         << ". Every rank must submit this tensor with the same " << what << ".";
       return os.str();
     }
   }
@@ -35,7 +35,7 @@ std::string TrailingShape(const Request& r) {
 
 // Each rank's splits: one count per rank, none negative, summing to its dim 0
 // (checked at the call too; a request from another build could still differ).
-std::string CheckSplits(const std::vector<Request>& reqs) {
+std::string CheckSplits(const std::vector<Request>& reqs, const SetScope& scope) {
   const size_t size = reqs.size();
   for (const auto& r : reqs) {
     int64_t sum = 0;
@@ -45,7 +45,8 @@ std::string CheckSplits(const std::vector<Request>& reqs) {
       negative |= s < 0;
     }
     if (r.splits.size() != size || negative || r.shape.empty() || sum != r.shape[0]) {
-      return "Invalid alltoall splits for tensor '" + r.name + "' on rank " + std::to_string(r.rank) + ": " +
+      return "Invalid alltoall splits for tensor '" + r.name + "'" + scope.Where() + " on rank " +
+             std::to_string(scope.World(r.rank)) + ": " +
              ShapeString(r.splits) + " for a tensor of shape " + ShapeString(r.shape) + ". Pass one non-negative "
              "count of rows per rank (" + std::to_string(size) + " in all), summing to dim 0.";
     }
@@ -53,27 +54,27 @@ std::string CheckSplits(const std::vector<Request>& reqs) {
   return {};
 }
 
-std::string CheckAgreement(const std::vector<Request>& reqs) {
+std::string CheckAgreement(const std::vector<Request>& reqs, const SetScope& scope) {
   std::string e;
-  if (!(e = FirstMismatch(reqs, "op", [](const Request& r) { return std::string(OpTypeName(r.op)); })).empty()) return e;
-  if (!(e = FirstMismatch(reqs, "dtype", [](const Request& r) { return std::string(DataTypeName(r.dtype)); })).empty()) return e;
-  if (!(e = FirstMismatch(reqs, "output dtype", [](const Request& r) { return std::string(DataTypeName(r.out_dtype)); })).empty()) return e;
-  if (!(e = FirstMismatch(reqs, "device kind", DeviceKind)).empty()) return e;
+  if (!(e = FirstMismatch(reqs, scope, "op", [](const Request& r) { return std::string(OpTypeName(r.op)); })).empty()) return e;
+  if (!(e = FirstMismatch(reqs, scope, "dtype", [](const Request& r) { return std::string(DataTypeName(r.dtype)); })).empty()) return e;
+  if (!(e = FirstMismatch(reqs, scope, "output dtype", [](const Request& r) { return std::string(DataTypeName(r.out_dtype)); })).empty()) return e;
+  if (!(e = FirstMismatch(reqs, scope, "device kind", DeviceKind)).empty()) return e;
   const OpType op = reqs[0].op;
   if (op == OpType::kAllreduce || op == OpType::kReducescatter) {
-    if (!(e = FirstMismatch(reqs, "reduce op", [](const Request& r) { return std::string(ReduceOpName(r.reduce_op)); })).empty()) return e;
-    if (!(e = FirstMismatch(reqs, "prescale factor", [](const Request& r) { return r.prescale; })).empty()) return e;
-    if (!(e = FirstMismatch(reqs, "postscale factor", [](const Request& r) { return r.postscale; })).empty()) return e;
+    if (!(e = FirstMismatch(reqs, scope, "reduce op", [](const Request& r) { return std::string(ReduceOpName(r.reduce_op)); })).empty()) return e;
+    if (!(e = FirstMismatch(reqs, scope, "prescale factor", [](const Request& r) { return r.prescale; })).empty()) return e;
+    if (!(e = FirstMismatch(reqs, scope, "postscale factor", [](const Request& r) { return r.postscale; })).empty()) return e;
   }
   if (op == OpType::kBroadcast) {
-    if (!(e = FirstMismatch(reqs, "root rank", [](const Request& r) { return r.root; })).empty()) return e;
+    if (!(e = FirstMismatch(reqs, scope, "root rank", [&](const Request& r) { return scope.World(r.root); })).empty()) return e;
   }
   if (op == OpType::kAllgather || op == OpType::kAlltoall) {
     // Dim 0 may differ between ranks; the rest must not.
-    if (!(e = FirstMismatch(reqs, "shape past dim 0", TrailingShape)).empty()) return e;
-    return op == OpType::kAlltoall ? CheckSplits(reqs) : std::string();
+    if (!(e = FirstMismatch(reqs, scope, "shape past dim 0", TrailingShape)).empty()) return e;
+    return op == OpType::kAlltoall ? CheckSplits(reqs, scope) : std::string();
   }
-  return FirstMismatch(reqs, "shape", [](const Request& r) { return ShapeString(r.shape); });
+  return FirstMismatch(reqs, scope, "shape", [](const Request& r) { return ShapeString(r.shape); });
 }
 
 void PutRequest(ByteWriter& w, const Request& r) {
@@ -195,7 +196,8 @@ bool Response::Matches(const Request& q) const {
   return false;
 }
 
-Response MakeResponse(const std::vector<Request>& reqs, const std::vector<int>& missing_joined) {
+Response MakeResponse(const std::vector<Request>& reqs, const std::vector<int>& missing_joined,
+                      const SetScope& scope) {
   const Request& r0 = reqs[0];
   Response resp;
   resp.name = r0.name;
@@ -212,7 +214,7 @@ Response MakeResponse(const std::vector<Request>& reqs, const std::vector<int>& 
   // checked as every rank's, so the splits check counts them all.
   resp.error = !missing_joined.empty() && r0.op != OpType::kAllreduce
                    ? MissingJoinedError(r0.name, r0.op, missing_joined)
-                   : CheckAgreement(reqs);
+                   : CheckAgreement(reqs, scope);
   if (!resp.ok()) return resp;
   if (r0.op == OpType::kAllgather || r0.op == OpType::kAlltoall) {
     for (const auto& r : reqs) resp.first_dims.push_back(r.shape.empty() ? 1 : r.shape[0]);

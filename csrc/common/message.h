@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "common/set_scope.h"
 #include "common/types.h"
 
 namespace hvdz {
@@ -16,13 +17,16 @@ constexpr char kJoinName[] = "hvd.join()";
 
 struct Request {
   std::string name;
-  int32_t rank = 0;
+  int32_t rank = 0;                         // in the request's process set
+  // Which process set the tensor belongs to: it names the tensor together with
+  // `name`. Not on the wire: a set's requests travel on its own control plane.
+  int32_t process_set = 0;
   OpType op = OpType::kAllreduce;
   ReduceOp reduce_op = ReduceOp::kSum;
   DataType dtype = DataType::kFloat32;      // input dtype
   DataType out_dtype = DataType::kFloat32;  // wire and output dtype (allgather may cast)
   int32_t device = kCpuDevice;              // ranks must agree on the kind, not the index
-  int32_t root = 0;                         // broadcast only
+  int32_t root = 0;                         // broadcast only; a rank of the process set
   double prescale = 1.0;
   double postscale = 1.0;
   std::vector<int64_t> shape;
@@ -56,8 +60,10 @@ struct Response {
 // Ranks' requests for one tensor -> its response (an error response when they
 // disagree). `reqs`: every rank's request in rank order, or, while ranks have
 // joined, those of the ranks that submitted it; `missing_joined`: the joined ranks
-// that did not, which only an allreduce can do without (they add zeros).
-Response MakeResponse(const std::vector<Request>& reqs, const std::vector<int>& missing_joined = {});
+// that did not, which only an allreduce can do without (they add zeros). Errors
+// name world ranks and the process set `scope`.
+Response MakeResponse(const std::vector<Request>& reqs, const std::vector<int>& missing_joined = {},
+                      const SetScope& scope = SetScope());
 
 // The error of a ready tensor that joined ranks `missing` did not submit, for
 // every op but allreduce (see [Note: join] in negotiation/join_tracker.h).

@@ -23,12 +23,12 @@ void ForEachBit(const std::vector<uint64_t>& v, F f) {
 
 }  // namespace
 
-Controller::Controller(ControlPlane& cp, const Params& params, const Logger& log)
+Controller::Controller(ControlPlane& cp, const Params& params, const Logger& log, const SetScope& scope)
     : cp_(cp),
       log_(log),
       cache_(static_cast<uint32_t>(params.cache_capacity)),
-      coordinator_(cp.size()),
-      stalls_(params.stall_check_seconds, params.stall_shutdown_seconds, cp.size(), log),
+      coordinator_(cp.size(), scope),
+      stalls_(params.stall_check_seconds, params.stall_shutdown_seconds, cp.size(), scope, log),
       join_(cp.size()),
       words_((static_cast<size_t>(params.cache_capacity) + 63) / 64) {}
 
@@ -220,8 +220,8 @@ void Controller::Admit(const std::vector<Response>& fresh) {
   }
 }
 
-Status Controller::RunCycle(const std::vector<Request>& new_requests, bool want_shutdown,
-                            CycleResult* out) {
+Status Controller::RunCycle(const std::vector<Request>& new_requests, bool want_shutdown, CycleResult* out,
+                            bool pending_elsewhere) {
   my_invalid_.assign(words_, 0);
   for (const auto& r : new_requests) Classify(r);
 
@@ -230,6 +230,7 @@ Status Controller::RunCycle(const std::vector<Request>& new_requests, bool want_
   if (cp_.rank() == 0 && !stall_errors_.empty()) flags |= kCoordinatorNews;
   const bool was_joined = joined_;  // what the others read in this cycle's header
   if (was_joined) flags |= kJoined;
+  if (pending_elsewhere) flags |= kPendingElsewhere;
   std::vector<uint8_t> all_bytes;
   HVDZ_RETURN_IF_ERROR(cp_.Allgather(EncodeHeader(flags), &all_bytes));
 
@@ -245,6 +246,7 @@ Status Controller::RunCycle(const std::vector<Request>& new_requests, bool want_
     for (size_t w = 0; w < words_; ++w) invalid_any[w] |= all.back().invalid[w];
   }
   out->shutdown = (any_flags & kShutdown) != 0;
+  out->peers_pending = (any_flags & kPendingElsewhere) != 0;
   const JoinTracker::Update join = join_.Observe(joined);
 
   Invalidate(invalid_any);

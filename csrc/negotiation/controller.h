@@ -12,8 +12,9 @@
 // "invalid" bit instead; every rank then evicts that entry and re-sends any request
 // it had waiting on it through the slow path.
 //
-// Each header also says whether its rank asks to shut down and whether it has
-// joined; see [Note: join] in join_tracker.h.
+// Each header also says whether its rank asks to shut down, whether it has
+// joined (see [Note: join] in join_tracker.h), and whether it waits on work in
+// another process set (see [Note: process sets] in runtime/process_set.h).
 #pragma once
 
 #include <cstdint>
@@ -42,12 +43,19 @@ struct CycleResult {
   bool self_joined = false;
   bool join_done = false;
   int last_joined = -1;
+  // Some rank has work in another process set, which waits for this rank's next
+  // exchange in this set: see [Note: process sets] in runtime/process_set.h.
+  bool peers_pending = false;
 };
 
 class Controller {
  public:
-  Controller(ControlPlane& cp, const Params& params, const Logger& log);
-  Status RunCycle(const std::vector<Request>& new_requests, bool want_shutdown, CycleResult* out);
+  // `scope`: the process set `cp` connects, for the ranks messages name.
+  Controller(ControlPlane& cp, const Params& params, const Logger& log, const SetScope& scope = SetScope());
+  // `pending_elsewhere`: this rank has work in another process set (new, or
+  // waiting on other ranks), which other ranks meet in this set's exchanges.
+  Status RunCycle(const std::vector<Request>& new_requests, bool want_shutdown, CycleResult* out,
+                  bool pending_elsewhere = false);
 
   // Whether this rank has submitted tensors that are not ready yet, or has joined
   // (the others' allreduces need it in every exchange), i.e. it is waiting on other
@@ -57,7 +65,7 @@ class Controller {
   uint64_t slow_path_cycles() const { return slow_path_cycles_; }
 
  private:
-  enum Flag : uint32_t { kShutdown = 1, kHasUncached = 2, kCoordinatorNews = 4, kJoined = 8 };
+  enum Flag : uint32_t { kShutdown = 1, kHasUncached = 2, kCoordinatorNews = 4, kJoined = 8, kPendingElsewhere = 16 };
   struct Header {
     uint32_t flags = 0;
     std::vector<uint64_t> hits;

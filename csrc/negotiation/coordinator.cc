@@ -18,7 +18,7 @@ Response Coordinator::Respond(const Pending& p, const std::vector<bool>& joined)
     if (p.have[r]) present.push_back(p.by_rank[r]);
     else if (joined[r]) missing.push_back(r);
   }
-  return MakeResponse(present, missing);
+  return MakeResponse(present, missing, scope_);
 }
 
 void Coordinator::Add(const std::vector<Request>& reqs, std::vector<Response>* ready) {
@@ -33,7 +33,7 @@ void Coordinator::Add(const std::vector<Request>& reqs, std::vector<Response>* r
     p.have[r.rank] = true;
     p.by_rank[r.rank] = r;
     if (p.count == size_) {
-      ready->push_back(MakeResponse(p.by_rank));
+      ready->push_back(MakeResponse(p.by_rank, {}, scope_));
       table_.erase(r.name);
     }
   }

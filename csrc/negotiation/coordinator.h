@@ -16,7 +16,8 @@ struct WaitingTensor {
 
 class Coordinator {
  public:
-  explicit Coordinator(int size) : size_(size) {}
+  // `scope`: the process set, for the ranks that error responses name.
+  Coordinator(int size, const SetScope& scope) : size_(size), scope_(scope) {}
   // Records requests; appends the responses of tensors that every rank has now
   // submitted, in the order they became complete.
   void Add(const std::vector<Request>& reqs, std::vector<Response>* ready);
@@ -36,6 +37,7 @@ class Coordinator {
   Response Respond(const Pending& p, const std::vector<bool>& joined) const;
 
   int size_;
+  SetScope scope_;
   std::unordered_map<std::string, Pending> table_;
 };
 

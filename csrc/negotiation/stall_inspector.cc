@@ -16,8 +16,8 @@ std::string StallInspector::Describe(const WaitingTensor& w, double seconds) con
   for (int r = 0; r < size_; ++r)
     if (!present.count(r)) missing.push_back(r);
   std::ostringstream os;
-  os << "Stalled tensor '" << w.name << "': submitted by ranks " << RankList(w.present_ranks)
-     << " but not by ranks " << RankList(missing) << " for " << static_cast<int>(seconds)
+  os << "Stalled tensor '" << w.name << "'" << scope_.Where() << ": submitted by ranks "
+     << RankList(scope_.World(w.present_ranks)) << " but not by ranks " << RankList(scope_.World(missing)) << " for " << static_cast<int>(seconds)
      << " s. Every rank must submit the same tensors; a rank may have skipped this op, "
         "submitted it under another name, or stopped.";
   return os.str();
@@ -29,7 +29,8 @@ void StallInspector::Inspect(const std::vector<WaitingTensor>& waiting, Clock::t
   for (const auto& w : waiting) {
     auto it = seen_.find(w.name);
     if (it == seen_.end())
-      HVDZ_LOG(log_, kDebug) << "Stall check: '" << w.name << "' submitted by ranks " << RankList(w.present_ranks)
+      HVDZ_LOG(log_, kDebug) << "Stall check: '" << w.name << "'" << scope_.Where() << " submitted by ranks "
+                             << RankList(scope_.World(w.present_ranks))
                              << ", waiting for the others";
     Seen s = it == seen_.end() ? Seen{now, now, false} : it->second;
     double age = Seconds(now - s.first);

@@ -8,14 +8,14 @@
 
 namespace hvdz {
 
-CudaContext::CudaContext(std::unique_ptr<NcclCommunicator> comm, Allocator& alloc, const Params& params,
-                         const Logger& log)
+CudaContext::CudaContext(std::unique_ptr<NcclCommunicator> comm, CopyStreams& copies, Allocator& alloc,
+                         const Params& params, const Logger& log)
     : comm_(std::move(comm)),
       alloc_(alloc),
       timeout_s_(params.transport_timeout_seconds),
       copy_stream_bytes_(params.copy_stream_bytes),
       log_(log),
-      copies_(comm_->stream()) {
+      copies_(copies) {
   finalizer_ = std::thread([this] {
     UseFineTimerSlack();
     FinalizerLoop();

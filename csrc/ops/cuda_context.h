@@ -25,8 +25,12 @@ namespace hvdz {
 class CudaContext : public DeviceContext {
  public:
   // Fused ops whose buffer has at least `copy_stream_bytes` (> 0) copy on side
-  // streams: see [Note: copy streams].
-  CudaContext(std::unique_ptr<NcclCommunicator> comm, Allocator& alloc, const Params& params, const Logger& log);
+  // streams: see [Note: copy streams]. `copies` belongs to the device and is shared
+  // by the contexts of every process set on it (like the communicator's stream), so
+  // that an op waits for another set's copy out to its tensors too.
+  CudaContext(std::unique_ptr<NcclCommunicator> comm, CopyStreams& copies, Allocator& alloc, const Params& params,
+              const Logger& log);
+  NcclCommunicator& nccl() { return *comm_; }
   ~CudaContext() override;
 
   Communicator& comm() override { return *comm_; }
@@ -54,7 +58,7 @@ class CudaContext : public DeviceContext {
   double timeout_s_;
   int64_t copy_stream_bytes_;
   const Logger& log_;
-  CopyStreams copies_;
+  CopyStreams& copies_;
   std::vector<cudaEvent_t> ready_;                 // this op's input events
   std::vector<std::shared_ptr<void>> op_buffers_;  // this op's fusion buffers
   std::mutex mu_;

@@ -21,6 +21,12 @@ class GpuSupport {
   // Every rank reaches this for the same response, so the collective init lines up.
   virtual Status CreateContext(int device, ControlPlane& cp, Allocator& alloc,
                                std::unique_ptr<DeviceContext>* out) = 0;
+  // Background thread, at a point every rank of the job reaches in the same cycle
+  // (a process set's activation): a context on `parent`'s device whose communicator
+  // is split from `parent`'s, the global set's. Every rank calls it; `set_rank` >= 0
+  // (this rank's place in the set) gets the context in *out, -1 gets none.
+  virtual Status SplitContext(DeviceContext& parent, int set_rank, Allocator& alloc,
+                              std::unique_ptr<DeviceContext>* out) = 0;
 };
 
 // nullptr when built without CUDA.

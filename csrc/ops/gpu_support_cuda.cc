@@ -1,6 +1,8 @@
 #include <cuda_runtime.h>
 
+#include <memory>
 #include <mutex>
+#include <unordered_map>
 #include <vector>
 
 #include "common/cuda_status.h"
@@ -31,8 +33,13 @@ class CudaSupport : public GpuSupport {
  public:
   CudaSupport(const Params& p, const Logger& log) : params_(p), log_(log) {}
 
+  // After every context: the runtime drops its process sets first.
   ~CudaSupport() override {
     for (auto ev : free_events_) cudaEventDestroy(ev);
+    for (auto& kv : devices_) {
+      kv.second.copies.reset();
+      cudaStreamDestroy(kv.second.stream);
+    }
   }
 
   Status RecordReadyEvent(int device, void* stream, std::shared_ptr<void>* event) override {
@@ -49,13 +56,50 @@ class CudaSupport : public GpuSupport {
   }
 
   Status CreateContext(int device, ControlPlane& cp, Allocator& alloc, std::unique_ptr<DeviceContext>* out) override {
+    Device* d = nullptr;
+    HVDZ_RETURN_IF_ERROR(DeviceOf(device, &d));
     std::unique_ptr<NcclCommunicator> comm;
-    HVDZ_RETURN_IF_ERROR(NcclCommunicator::Create(device, cp, &comm));
-    out->reset(new CudaContext(std::move(comm), alloc, params_, log_));
+    HVDZ_RETURN_IF_ERROR(NcclCommunicator::Create(device, cp, d->stream, &comm));
+    out->reset(new CudaContext(std::move(comm), *d->copies, alloc, params_, log_));
+    return Status::OK();
+  }
+
+  Status SplitContext(DeviceContext& parent, int set_rank, Allocator& alloc,
+                      std::unique_ptr<DeviceContext>* out) override {
+    auto& from = static_cast<CudaContext&>(parent);  // every CUDA context is made here
+    Device* d = nullptr;
+    HVDZ_RETURN_IF_ERROR(DeviceOf(from.nccl().device(), &d));
+    std::unique_ptr<NcclCommunicator> comm;
+    HVDZ_RETURN_IF_ERROR(NcclCommunicator::Split(from.nccl(), set_rank, &comm));
+    if (comm) out->reset(new CudaContext(std::move(comm), *d->copies, alloc, params_, log_));
     return Status::OK();
   }
 
  private:
+  // What every context of one device shares: see [Note: process sets].
+  struct Device {
+    cudaStream_t stream = nullptr;  // the collective stream of every communicator
+    std::unique_ptr<CopyStreams> copies;
+  };
+
+  // Background thread only (contexts are made there).
+  Status DeviceOf(int device, Device** out) {
+    auto it = devices_.find(device);
+    if (it == devices_.end()) {
+      DeviceGuard g(device);
+      // High priority: collectives should not queue behind the compute they overlap.
+      int lo = 0, hi = 0;
+      cudaDeviceGetStreamPriorityRange(&lo, &hi);
+      Device d;
+      HVDZ_RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithPriority(&d.stream, cudaStreamNonBlocking, hi),
+                                      "cudaStreamCreateWithPriority"));
+      d.copies = std::make_unique<CopyStreams>(d.stream);
+      it = devices_.emplace(device, std::move(d)).first;
+    }
+    *out = &it->second;
+    return Status::OK();
+  }
+
   cudaEvent_t TakeEvent() {
     std::lock_guard<std::mutex> lk(pool_mu_);
     if (free_events_.empty()) return nullptr;
@@ -72,6 +116,7 @@ class CudaSupport : public GpuSupport {
   const Logger& log_;
   std::mutex pool_mu_;
   std::vector<cudaEvent_t> free_events_;  // one device per process, so one pool
+  std::unordered_map<int, Device> devices_;
 };
 
 }  // namespace

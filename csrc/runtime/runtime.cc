@@ -13,15 +13,27 @@ Runtime::Runtime(const WorldInfo& world, const Params& params, std::unique_ptr<C
     : world_(world),
       params_(params),
       logger_(params.log_level, world.rank),
-      control_(std::move(control)),
-      cpu_comm_(std::move(cpu_comm)),
+      control_kind_(control->kind()),
       alloc_(std::move(alloc)),
-      gpu_(MakeGpuSupport(params_, logger_)),
-      controller_(*control_, params_, logger_),
-      executor_(world.rank, world.size, params.direct_max_tensors, timeline_, counters_),
-      // The CPU buffer grows to what ops ask for and is kept up to this size (a fused
-      // reduce-scatter needs its threshold plus one segment: twice that), then freed when idle.
-      cpu_ctx_(*cpu_comm_, *alloc_, 2 * std::max<int64_t>(params.fusion_threshold_bytes, 8 << 20)) {}
+      gpu_(MakeGpuSupport(params_, logger_)) {
+  std::vector<int> everyone(world.size);
+  for (int r = 0; r < world.size; ++r) everyone[r] = r;
+  sets_[0] = std::make_unique<ProcessSet>(0, std::move(everyone), world.rank, params_, logger_, std::move(control),
+                                          std::move(cpu_comm), *alloc_, timeline_, counters_);
+}
+
+uint64_t Runtime::slow_path_cycles() const {
+  std::shared_lock<std::shared_mutex> lk(sets_mu_);
+  return sets_.at(0)->controller().slow_path_cycles();
+}
+
+int64_t Runtime::cpu_fusion_buffer_bytes() const {
+  std::shared_lock<std::shared_mutex> lk(sets_mu_);
+  int64_t bytes = 0;
+  for (const auto& kv : sets_)
+    if (kv.second->included()) bytes += kv.second->cpu().buffer_bytes();
+  return bytes;
+}
 
 Runtime::~Runtime() { Shutdown(); }
 
@@ -40,7 +52,7 @@ void Runtime::Shutdown() {
   shutdown_requested_ = true;
   queue_.Wake();
   if (thread_.joinable()) thread_.join();
-  cuda_ctx_.clear();  // drains in-flight CUDA work before the communicators go
+  for (auto& kv : sets_) kv.second->DropCuda();  // drains in-flight CUDA work before the communicators go
   timeline_.Close();
 }
 
@@ -68,11 +80,14 @@ Status Runtime::Enqueue(std::vector<TensorEntry> entries, void* cuda_stream, std
     HVDZ_RETURN_IF_ERROR(CheckDevice(e));
     if (e.request.on_cuda() && !ready) HVDZ_RETURN_IF_ERROR(gpu_->RecordReadyEvent(e.request.device, cuda_stream, &ready));
   }
+  // Held until the entries are queued, so that a set removed meanwhile fails them
+  // (Remove takes the lock) rather than leaving them waiting for nothing.
+  std::shared_lock<std::shared_mutex> sets_lock(sets_mu_);
+  for (auto& e : entries) HVDZ_RETURN_IF_ERROR(Admit(&e.request));
   std::vector<int64_t> hs;
   for (auto& e : entries) {
     int64_t h = handles_.Allocate();
     hs.push_back(h);
-    e.request.rank = world_.rank;
     e.enqueued = now;
     if (e.request.on_cuda()) e.ready_event = ready;
     e.callback = [this, h](const Status& s, std::shared_ptr<void> keep) { handles_.MarkDone(h, s, std::move(keep)); };
@@ -88,23 +103,25 @@ Status Runtime::Enqueue(std::vector<TensorEntry> entries, void* cuda_stream, std
   return Status::OK();
 }
 
-Status Runtime::ContextFor(const TensorEntry& e, DeviceContext** ctx) {
+Status Runtime::ContextFor(ProcessSet& ps, const TensorEntry& e, DeviceContext** ctx) {
   if (!e.request.on_cuda()) {
-    *ctx = &cpu_ctx_;
+    *ctx = &ps.cpu();
     return Status::OK();
   }
-  auto it = cuda_ctx_.find(e.request.device);
-  if (it == cuda_ctx_.end()) {
-    std::unique_ptr<DeviceContext> c;
-    HVDZ_RETURN_IF_ERROR(gpu_->CreateContext(e.request.device, *control_, *alloc_, &c));
-    it = cuda_ctx_.emplace(e.request.device, std::move(c)).first;
-  }
-  *ctx = it->second.get();
+  *ctx = ps.cuda(e.request.device);
+  if (*ctx != nullptr) return Status::OK();
+  // The set's first CUDA response, which all its ranks reach at the same point.
+  std::unique_ptr<DeviceContext> c;
+  HVDZ_RETURN_IF_ERROR(gpu_->CreateContext(e.request.device, ps.control(), *alloc_, &c));
+  HVDZ_LOG(logger_, kDebug) << "NCCL communicator of " << ps.scope().Name() << " on cuda:" << e.request.device
+                            << " created";
+  *ctx = c.get();
+  ps.AddCuda(e.request.device, std::move(c));
   return Status::OK();
 }
 
 // Which tensors run as one collective, and on which transport.
-void Runtime::LogGroup(const std::vector<const Response*>& group) const {
+void Runtime::LogGroup(const ProcessSet& ps, const std::vector<const Response*>& group) const {
   const Response& r = *group.front();
   int64_t elems = 0;
   for (const Response* g : group) {
@@ -115,16 +132,17 @@ void Runtime::LogGroup(const std::vector<const Response*>& group) const {
   HVDZ_LOG(logger_, kDebug) << "Fusion group: " << OpTypeName(r.op) << " of " << group.size() << " tensor(s) ("
                             << NameList(group, [](const Response* g) { return g->name; }) << "), " << elems
                             << " " << DataTypeName(r.out_dtype) << " elements (rank 0's shapes), over "
-                            << (r.on_cuda ? "NCCL (CUDA)" : "Gloo (CPU)");
+                            << (r.on_cuda ? "NCCL (CUDA)" : "Gloo (CPU)") << ps.scope().Where();
 }
 
-void Runtime::ExecuteGroup(const std::vector<const Response*>& group, bool joined, Clock::time_point negotiated) {
+void Runtime::ExecuteGroup(ProcessSet& ps, const std::vector<const Response*>& group, bool joined,
+                           Clock::time_point negotiated) {
   std::vector<TensorEntry> entries;
   std::vector<const Response*> mine;
   auto now = Clock::now();
   for (const Response* r : group) {
     TensorEntry e;
-    if (!queue_.Take(r->name, &e)) {
+    if (!queue_.Take(ps.id(), r->name, &e)) {
       // A joined rank has no entry for the others' allreduces: it adds zeros.
       Status s = joined && r->op == OpType::kAllreduce
                      ? StandIn(*r, &e)
@@ -143,28 +161,29 @@ void Runtime::ExecuteGroup(const std::vector<const Response*>& group, bool joine
     mine.push_back(r);
   }
   if (entries.empty()) return;
-  if (logger_.Enabled(LogLevel::kDebug)) LogGroup(mine);
+  if (logger_.Enabled(LogLevel::kDebug)) LogGroup(ps, mine);
   DeviceContext* ctx = nullptr;
-  Status s = ContextFor(entries.front(), &ctx);
+  Status s = ContextFor(ps, entries.front(), &ctx);
   if (!s.ok()) {
     for (auto& e : entries) Complete(e, s);
     return;
   }
-  executor_.Execute(*ctx, mine, std::move(entries));
+  ps.executor().Execute(*ctx, mine, std::move(entries));
 }
 
-void Runtime::Execute(const CycleResult& result, Clock::time_point negotiated) {
+void Runtime::Execute(ProcessSet& ps, const CycleResult& result, Clock::time_point negotiated) {
   const std::vector<Response>& responses = result.responses;
   for (const auto& r : responses) {
     if (r.ok()) continue;
     TensorEntry e;
-    HVDZ_LOG(logger_, kDebug) << "Failing '" << r.name << "': " << r.error;
-    if (queue_.Take(r.name, &e)) Complete(e, Status::PreconditionError(r.error));
+    HVDZ_LOG(logger_, kDebug) << "Failing '" << r.name << "'" << ps.scope().Where() << ": " << r.error;
+    if (queue_.Take(ps.id(), r.name, &e)) Complete(e, Status::PreconditionError(r.error));
   }
+  // Each set fuses its own responses: tensors of two sets never share a collective.
   for (const auto& idx : PlanFusion(responses, params_.fusion_threshold_bytes)) {
     std::vector<const Response*> group;
     for (auto i : idx) group.push_back(&responses[i]);
-    ExecuteGroup(group, result.self_joined, negotiated);
+    ExecuteGroup(ps, group, result.self_joined, negotiated);
   }
   if (result.join_done) CompleteJoin(result.last_joined);
 }
@@ -199,26 +218,34 @@ Status Runtime::PeersLeft(const std::vector<int>& ranks) {
 // 0.5-2.8% (2 ranks, examples/bench_idle.py).
 namespace {
 constexpr std::chrono::milliseconds kMaxIdlePeriod(250);
+// With process sets besides the global one: see [Note: process sets].
+constexpr std::chrono::milliseconds kMaxIdlePeriodWithSets(10);
 }  // namespace
 
-Clock::duration Runtime::NextWait(bool busy, Clock::duration* idle_period) {
+Clock::duration Runtime::NextWait(bool busy, bool peers_pending, Clock::duration* idle_period) {
   const auto cycle = std::chrono::duration_cast<Clock::duration>(
       std::chrono::duration<double, std::milli>(params_.cycle_time_ms));
   // A rank whose tensors wait on other ranks cycles again within 50 us: they are
-  // about to meet it in the next exchange.
-  if (controller_.HasPending()) return std::min<Clock::duration>(std::chrono::microseconds(50), cycle);
+  // about to meet it in the next exchange. So does every rank while some rank waits
+  // on another process set's work: that rank meets the others in every global cycle.
+  bool pending = peers_pending;
+  for (auto& kv : sets_) pending = pending || (kv.second->included() && kv.second->controller().HasPending());
+  if (pending) return std::min<Clock::duration>(std::chrono::microseconds(50), cycle);
   if (busy) {
     *idle_period = Clock::duration::zero();
     return cycle;
   }
-  const bool backing_off = *idle_period < kMaxIdlePeriod;
+  const auto longest = sets_.size() > 1 ? kMaxIdlePeriodWithSets : kMaxIdlePeriod;
+  const bool backing_off = *idle_period < longest;
   const auto wait = std::max(*idle_period, cycle);
-  *idle_period = std::max<Clock::duration>(cycle, std::min<Clock::duration>(2 * wait, kMaxIdlePeriod));
-  if (backing_off && *idle_period >= kMaxIdlePeriod) {
-    HVDZ_LOG(logger_, kDebug) << "Idle: cycling every " << kMaxIdlePeriod.count()
-                              << " ms until new work; freeing the CPU fusion buffer (" << cpu_ctx_.buffer_bytes()
+  *idle_period = std::max<Clock::duration>(cycle, std::min<Clock::duration>(2 * wait, longest));
+  if (backing_off && *idle_period >= longest) {
+    HVDZ_LOG(logger_, kDebug) << "Idle: cycling every " << std::chrono::duration_cast<std::chrono::milliseconds>(longest).count()
+                              << " ms until new work; freeing the CPU fusion buffers (" << cpu_fusion_buffer_bytes()
                               << " bytes)";
-    cpu_ctx_.Release();  // an idle job holds no buffer; the next op allocates what it needs
+    // An idle job holds no buffer; the next op allocates what it needs.
+    for (auto& kv : sets_)
+      if (kv.second->included()) kv.second->cpu().Release();
   }
   return wait;
 }
@@ -230,9 +257,8 @@ void Runtime::Loop() {
   while (true) {
     auto start = Clock::now();
     CycleResult result;
-    std::vector<Request> fresh = queue_.PopNewRequests();
-    const bool busy = !fresh.empty();
-    Status s = controller_.RunCycle(fresh, shutdown_requested_.load(), &result);
+    bool busy = false;
+    Status s = RunCycles(queue_.PopNewRequests(), &busy, &result);
     if (!s.ok()) {
       HVDZ_LOG(logger_, kError) << "Negotiation failed: " << s.reason();
       stopped = Status::Aborted("horovod_zero stopped after a communication failure (a peer may have "
@@ -241,15 +267,40 @@ void Runtime::Loop() {
                                 "): " + s.reason());
       break;
     }
-    Execute(result, Clock::now());
     if (result.shutdown) {
       if (!shutdown_requested_) stopped = PeersLeft(result.shutdown_ranks);
       break;
     }
     // New work starts a cycle at once (WaitForWork returns); see [Note: idle backoff].
-    queue_.WaitForWork(start + NextWait(busy || result.slow_path || !result.responses.empty(), &idle_period));
+    queue_.WaitForWork(start + NextWait(busy, result.peers_pending, &idle_period));
   }
   queue_.Close(stopped);
+}
+
+// See [Note: process sets]: the global set first (it carries shutdown, join and the
+// set table's changes), then the other sets this rank is in, in id order.
+Status Runtime::RunCycles(std::vector<Request> fresh, bool* busy, CycleResult* g) {
+  *busy = !fresh.empty();
+  std::map<int32_t, std::vector<Request>> by_set;
+  bool elsewhere = PendingElsewhere();
+  for (auto& r : fresh) {
+    elsewhere = elsewhere || r.process_set != 0;
+    by_set[r.process_set].push_back(std::move(r));
+  }
+  HVDZ_RETURN_IF_ERROR(global().controller().RunCycle(by_set[0], shutdown_requested_.load(), g, elsewhere));
+  ApplySetChanges(*g);
+  Execute(global(), *g, Clock::now());
+  *busy = *busy || g->slow_path || !g->responses.empty();
+  if (g->shutdown) return Status::OK();
+  for (auto& kv : sets_) {
+    ProcessSet& ps = *kv.second;
+    if (ps.id() == 0 || !ps.included()) continue;
+    CycleResult result;
+    HVDZ_RETURN_IF_ERROR(ps.controller().RunCycle(by_set[ps.id()], false, &result));
+    Execute(ps, result, Clock::now());
+    *busy = *busy || result.slow_path || !result.responses.empty();
+  }
+  return Status::OK();
 }
 
 }  // namespace hvdz

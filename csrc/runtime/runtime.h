@@ -1,10 +1,15 @@
-// The Runtime owns every part of the core (queue, handles, controller, executor,
-// device contexts, timeline, counters) and the background thread that alone
-// talks to other ranks. Framework threads only enqueue and wait.
+// The Runtime owns every part of the core (queue, handles, process sets with
+// their controllers, executors and device contexts, timeline, counters) and the
+// background thread that alone talks to other ranks. Framework threads only
+// enqueue and wait.
 #pragma once
 
 #include <atomic>
+#include <map>
 #include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <string>
 #include <thread>
 #include <unordered_map>
 
@@ -17,6 +22,7 @@
 #include "ops/executor.h"
 #include "ops/gpu_support.h"
 #include "runtime/handle_table.h"
+#include "runtime/process_set.h"
 #include "runtime/tensor_queue.h"
 #include "transport/communicator.h"
 #include "transport/control_plane.h"
@@ -34,6 +40,7 @@ struct WorldInfo {
 
 class Runtime {
  public:
+  // `control` and `cpu_comm` connect every rank: the global process set's.
   Runtime(const WorldInfo& world, const Params& params, std::unique_ptr<ControlPlane> control,
           std::unique_ptr<Communicator> cpu_comm, std::unique_ptr<Allocator> alloc);
   ~Runtime();
@@ -43,6 +50,8 @@ class Runtime {
   Status Start();
   // All entries or none are accepted; *handles gets one handle per entry.
   // `cuda_stream` is the producer stream of CUDA inputs (ignored for CPU ones).
+  // Each request names its process set; its `root` is a world rank (a rank of the
+  // set), which the runtime turns into the set's rank.
   Status Enqueue(std::vector<TensorEntry> entries, void* cuda_stream, std::vector<int64_t>* handles);
   // join(): this rank has no more data. The handle completes once every rank has
   // joined, after `last_joined` (an int32 scalar on the host) was set to the rank
@@ -51,6 +60,20 @@ class Runtime {
   Status EnqueueJoin(int cuda_device, const TensorDesc& last_joined, std::shared_ptr<void> keepalive,
                      int64_t* handle);
   HandleTable& handles() { return handles_; }
+
+  // runtime_process_sets.cc, see [Note: process sets]. Collective over every rank
+  // of the job: the handle completes once every rank has asked for the same change,
+  // and from then on the set exists (or is gone) on every rank.
+  // AddProcessSet: `world_ranks` sorted and distinct; on a member, `control` and
+  // `cpu_comm` connect the set's ranks (null elsewhere).
+  // `carrier`: a host int32 tensor of one element that the change's broadcast moves,
+  // kept alive by `keepalive` (handed back by the handle, like an op's).
+  Status AddProcessSet(int32_t id, std::vector<int> world_ranks, std::unique_ptr<ControlPlane> control,
+                       std::unique_ptr<Communicator> cpu_comm, const TensorDesc& carrier,
+                       std::shared_ptr<void> keepalive, int64_t* handle);
+  Status RemoveProcessSet(int32_t id, const TensorDesc& carrier, std::shared_ptr<void> keepalive, int64_t* handle);
+  // The set's size, or -1 when there is no such set.
+  int ProcessSetSize(int32_t id) const;
   // Asks every rank to stop and waits for the background thread.
   void Shutdown();
 
@@ -59,14 +82,34 @@ class Runtime {
   const Logger& logger() const { return logger_; }
   Counters& counters() { return counters_; }
   bool has_cuda() const { return gpu_ != nullptr; }
-  uint64_t slow_path_cycles() const { return controller_.slow_path_cycles(); }
-  int64_t cpu_fusion_buffer_bytes() const { return cpu_ctx_.buffer_bytes(); }
-  const char* control_plane_kind() const { return control_->kind(); }
+  uint64_t slow_path_cycles() const;  // the global set's
+  int64_t cpu_fusion_buffer_bytes() const;  // every set's
+  const char* control_plane_kind() const { return control_kind_; }
 
  private:
+  struct SetChange {
+    int32_t id;
+    std::unique_ptr<ProcessSet> added;  // null: remove set `id`
+  };
+
   void Loop();
-  void Execute(const CycleResult& result, Clock::time_point negotiated);
-  void ExecuteGroup(const std::vector<const Response*>& group, bool joined, Clock::time_point negotiated);
+  // One cycle of every set this rank is in (see [Note: process sets]); *busy: any had work.
+  Status RunCycles(std::vector<Request> fresh, bool* busy, CycleResult* g);
+  void Execute(ProcessSet& ps, const CycleResult& result, Clock::time_point negotiated);
+  void ExecuteGroup(ProcessSet& ps, const std::vector<const Response*>& group, bool joined,
+                    Clock::time_point negotiated);
+  ProcessSet& global() { return *sets_.at(0); }
+  // runtime_process_sets.cc: the checks of an entry against its set, under a shared sets_mu_.
+  Status Admit(Request* r) const;
+  Status EnqueueSetChange(const std::string& name, SetChange change, const TensorDesc& carrier,
+                          std::shared_ptr<void> keepalive, int64_t* handle);
+  // The set changes whose carrier broadcast is in the global set's `result`.
+  void ApplySetChanges(const CycleResult& result);
+  void Activate(std::unique_ptr<ProcessSet> ps);
+  void SplitCudaContexts(ProcessSet& ps);
+  void Remove(int32_t id);
+  // This rank waits on work in a set other than the global one.
+  bool PendingElsewhere();
   // runtime_join.cc: this joined rank's zeros for an allreduce it did not submit,
   // and join()'s return.
   Status StandIn(const Response& r, TensorEntry* e);
@@ -75,9 +118,10 @@ class Runtime {
   Status PeersLeft(const std::vector<int>& ranks);
   // How long to sleep after a cycle; `busy`: the cycle had work on any rank. Going
   // idle frees the CPU fusion buffer.
-  Clock::duration NextWait(bool busy, Clock::duration* idle_period);
-  void LogGroup(const std::vector<const Response*>& group) const;
-  Status ContextFor(const TensorEntry& e, DeviceContext** ctx);
+  // `peers_pending`: some rank waits on another process set's work.
+  Clock::duration NextWait(bool busy, bool peers_pending, Clock::duration* idle_period);
+  void LogGroup(const ProcessSet& ps, const std::vector<const Response*>& group) const;
+  Status ContextFor(ProcessSet& ps, const TensorEntry& e, DeviceContext** ctx);
   Status CheckDevice(const TensorEntry& e);
 
   WorldInfo world_;
@@ -85,16 +129,17 @@ class Runtime {
   Logger logger_;
   Timeline timeline_;
   Counters counters_;
-  std::unique_ptr<ControlPlane> control_;
-  std::unique_ptr<Communicator> cpu_comm_;
+  const char* control_kind_;
   std::unique_ptr<Allocator> alloc_;
-  std::unique_ptr<GpuSupport> gpu_;
+  std::unique_ptr<GpuSupport> gpu_;  // before the sets: their CUDA contexts use its streams
   TensorQueue queue_;
   HandleTable handles_;
-  Controller controller_;
-  Executor executor_;
-  CpuContext cpu_ctx_;
-  std::unordered_map<int, std::unique_ptr<DeviceContext>> cuda_ctx_;
+  // By id, the global set (0) first. Changed only by the background thread, under
+  // a unique lock; framework threads read it under a shared one.
+  std::map<int32_t, std::unique_ptr<ProcessSet>> sets_;
+  mutable std::shared_mutex sets_mu_;
+  std::mutex changes_mu_;
+  std::unordered_map<std::string, SetChange> changes_;  // by carrier name, until applied
   std::atomic<int> cuda_device_{-2};  // the one CUDA device this process uses; -2: none yet
   std::atomic<int> join_device_{kCpuDevice};  // join()'s device for CUDA zeros
   std::atomic<bool> shutdown_requested_{false};

@@ -57,7 +57,7 @@ Status Runtime::StandIn(const Response& r, TensorEntry* e) {
   e->request = StandInRequest(r, world_.rank, device);
   e->enqueued = Clock::now();
   DeviceContext* ctx = nullptr;
-  HVDZ_RETURN_IF_ERROR(ContextFor(*e, &ctx));
+  HVDZ_RETURN_IF_ERROR(ContextFor(global(), *e, &ctx));
   std::shared_ptr<void> input, output;
   HVDZ_RETURN_IF_ERROR(alloc_->AllocateZeros(device, r.dtype, r.shape, ctx->OutputStream(), &e->input, &input));
   e->output = e->input;  // reduced in place, then dropped
@@ -68,7 +68,7 @@ Status Runtime::StandIn(const Response& r, TensorEntry* e) {
 
 void Runtime::CompleteJoin(int last_joined) {
   TensorEntry e;
-  if (!queue_.Take(kJoinName, &e)) {
+  if (!queue_.Take(0, kJoinName, &e)) {
     HVDZ_LOG(logger_, kError) << "Every rank has joined, but this rank has no join() waiting.";
     return;
   }

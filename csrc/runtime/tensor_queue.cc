@@ -8,10 +8,10 @@ namespace hvdz {
 Status TensorQueue::Add(std::vector<TensorEntry> entries) {
   std::lock_guard<std::mutex> lk(mu_);
   if (!closed_.ok()) return closed_;
-  std::unordered_set<std::string> seen;  // duplicates inside one batch: grouped calls only
+  std::unordered_set<std::string> seen;  // duplicates inside one batch (one set): grouped calls only
   for (const auto& e : entries) {
     const auto& name = e.request.name;
-    if (table_.count(name) || (entries.size() > 1 && !seen.insert(name).second)) {
+    if (table_.count(Key{e.request.process_set, name}) || (entries.size() > 1 && !seen.insert(name).second)) {
       return Status::InvalidArgument(
           "A tensor named '" + name + "' is already in flight on this rank. Wait for its handle "
           "(synchronize) before submitting the same name again, or give each tensor its own name.");
@@ -22,8 +22,8 @@ Status TensorQueue::Add(std::vector<TensorEntry> entries) {
   const bool wake = new_requests_.empty();
   for (auto& e : entries) {
     new_requests_.push_back(e.request);
-    std::string name = e.request.name;
-    table_.emplace(std::move(name), std::move(e));
+    Key key{e.request.process_set, e.request.name};
+    table_.emplace(std::move(key), std::move(e));
   }
   if (wake) cv_.notify_one();
   return Status::OK();
@@ -50,9 +50,9 @@ std::vector<Request> TensorQueue::PopNewRequests() {
   return out;
 }
 
-bool TensorQueue::Take(const std::string& name, TensorEntry* out) {
+bool TensorQueue::Take(int32_t set, const std::string& name, TensorEntry* out) {
   std::lock_guard<std::mutex> lk(mu_);
-  auto it = table_.find(name);
+  auto it = table_.find(Key{set, name});
   if (it == table_.end()) return false;
   *out = std::move(it->second);
   table_.erase(it);
@@ -63,24 +63,47 @@ std::vector<std::string> TensorQueue::PendingNames() {
   std::vector<std::string> names;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    for (const auto& kv : table_) names.push_back(kv.first);
+    for (const auto& kv : table_)
+      names.push_back(kv.first.set == 0 ? kv.first.name
+                                        : kv.first.name + " (process set " + std::to_string(kv.first.set) + ")");
   }
   std::sort(names.begin(), names.end());
   return names;
 }
 
+void TensorQueue::CompleteAll(std::vector<TensorEntry>& failed, const Status& s) {
+  for (auto& e : failed) Complete(e, s);
+}
+
 void TensorQueue::Close(const Status& s) {
-  std::unordered_map<std::string, TensorEntry> failed;
+  std::vector<TensorEntry> failed;
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (closed_.ok()) closed_ = s;
-    failed.swap(table_);
+    for (auto& kv : table_) failed.push_back(std::move(kv.second));
+    table_.clear();
     new_requests_.clear();
   }
-  // Callbacks run outside the lock: they may take other locks.
-  for (auto& kv : failed) {
-    Complete(kv.second, s);
+  CompleteAll(failed, s);  // outside the lock: callbacks may take other locks
+}
+
+void TensorQueue::FailSet(int32_t set, const Status& s) {
+  std::vector<TensorEntry> failed;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (auto it = table_.begin(); it != table_.end();) {
+      if (it->first.set != set) {
+        ++it;
+        continue;
+      }
+      failed.push_back(std::move(it->second));
+      it = table_.erase(it);
+    }
+    new_requests_.erase(std::remove_if(new_requests_.begin(), new_requests_.end(),
+                                       [set](const Request& r) { return r.process_set == set; }),
+                        new_requests_.end());
   }
+  CompleteAll(failed, s);
 }
 
 }  // namespace hvdz

@@ -159,13 +159,19 @@ def make_store(world: World, generation: int, timeout_s: float):
 
 def make_gloo_backend(store, world: World, timeout_s: float, iface: str = ""):
     """`iface`: the network interface Gloo uses (HOROVOD_GLOO_IFACE); "": the default."""
+    return make_group_backend(store, world.rank, world.size, timeout_s, iface)
+
+
+def make_group_backend(store, rank: int, size: int, timeout_s: float, iface: str = ""):
+    """A Gloo group of `size` processes meeting on `store`, this one as `rank`: the
+    job's (make_gloo_backend), or a process set's (a store prefixed for the set)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if iface:
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
         opts._devices = [dist.ProcessGroupGloo.create_device(interface=iface)]
-        return dist.ProcessGroupGloo(store, world.rank, world.size, opts)
-    return dist.ProcessGroupGloo(store, world.rank, world.size, timeout)
+        return dist.ProcessGroupGloo(store, rank, size, opts)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
 def shm_control_name(store, world: World, enabled: bool = True) -> str:

@@ -65,6 +65,7 @@ from horovod_zero.torch.mpi_ops import (
     synchronize,
 )
 from horovod_zero.torch.optimizer import DistributedOptimizer
+from horovod_zero.torch.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from horovod_zero.torch.sparse import sparse_allreduce_async
 from horovod_zero.torch.alltoall import alltoall, alltoall_async
 from horovod_zero.torch.join import join

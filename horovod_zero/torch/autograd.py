@@ -5,7 +5,7 @@ single and the grouped op; each backward is one collective (named after the forw
 op's tensors, with ".grad" appended).
 
 [Note: gradient conventions]
-Write n for the number of ranks, g_k for rank k's gradient of its loss with respect
+Write n for the number of ranks (of the op's process set), g_k for rank k's gradient of its loss with respect
 to its output, and s = prescale * postscale / (n if op is Average else 1). Rank r's
 input gradient is
 
@@ -29,20 +29,23 @@ gradient: a backward through one raises.
 import torch
 
 from horovod_zero.torch import mpi_ops
-from horovod_zero.torch.basics import _core, _exact_gradients, rank, size
+from horovod_zero.torch.basics import _core, _exact_gradients, rank
+from horovod_zero.torch.process_sets import _rank, _size
 
 
-def _run(kind, tensors, names, **args):
+def _run(kind, tensors, names, process_set, **args):
     """One (grouped) collective over these tensors; returns the outputs as a tuple."""
     if kind == _core.OP_REDUCESCATTER:
-        outputs = [mpi_ops._scatter_output(t) for t in tensors]
+        outputs = [mpi_ops._scatter_output(t, process_set) for t in tensors]
     else:
         outputs = [None] * len(tensors)
-    return tuple(mpi_ops.synchronize(mpi_ops._enqueue(kind, list(tensors), outputs, list(names), **args)))
+    return tuple(mpi_ops.synchronize(mpi_ops._enqueue(kind, list(tensors), outputs, list(names),
+                                                      process_set=process_set, **args)))
 
 
-def _save(ctx, names, tensors):
+def _save(ctx, names, tensors, process_set):
     ctx.names = names
+    ctx.process_set = process_set
     # Gradients exist for floating-point inputs only; every rank has the same dtypes,
     # so every rank's backward runs its collective over the same subset.
     ctx.floats = [i for i, t in enumerate(tensors) if t.dtype.is_floating_point]
@@ -63,7 +66,7 @@ def _placed(ctx, values):
 
 def _reducing(ctx, op, prescale, postscale):
     ctx.op = op
-    ctx.scale = prescale * postscale / (size() if op == mpi_ops.Average else 1)
+    ctx.scale = prescale * postscale / (_size(ctx.process_set) if op == mpi_ops.Average else 1)
 
 
 def _check_differentiable(ctx, what):
@@ -75,10 +78,11 @@ def _check_differentiable(ctx, what):
 
 class Allreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, names, op, prescale, postscale, *tensors):
-        _save(ctx, names, tensors)
+    def forward(ctx, names, op, prescale, postscale, process_set, *tensors):
+        _save(ctx, names, tensors, process_set)
         _reducing(ctx, op, prescale, postscale)
-        return _run(_core.OP_ALLREDUCE, tensors, names, reduce_op=op, prescale=prescale, postscale=postscale)
+        return _run(_core.OP_ALLREDUCE, tensors, names, process_set, reduce_op=op, prescale=prescale,
+                    postscale=postscale)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -86,59 +90,61 @@ class Allreduce(torch.autograd.Function):
         # d/dx_r of sum_k L_k(s * sum_j x_j) = s * sum_k g_k; Horovod's (the allreduce of
         # the gradient with the forward's op and factors) is the same.
         grads, names = _float_grads(ctx, grads)
-        g = _run(_core.OP_ALLREDUCE, grads, names, reduce_op=mpi_ops.Sum, postscale=ctx.scale)
-        return (None, None, None, None) + _placed(ctx, g)
+        g = _run(_core.OP_ALLREDUCE, grads, names, ctx.process_set, reduce_op=mpi_ops.Sum, postscale=ctx.scale)
+        return (None, None, None, None, None) + _placed(ctx, g)
 
 
 class Allgather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, names, output_dtype, *tensors):
-        _save(ctx, names, tensors)
+    def forward(ctx, names, output_dtype, process_set, *tensors):
+        _save(ctx, names, tensors, process_set)
         ctx.dtypes = [t.dtype for t in tensors]
         ctx.rows = [t.shape[0] if t.dim() else 0 for t in tensors]
-        return _run(_core.OP_ALLGATHER, tensors, names, output_dtype=output_dtype)
+        return _run(_core.OP_ALLGATHER, tensors, names, process_set, output_dtype=output_dtype)
 
     @staticmethod
     def backward(ctx, *grads):
         grads, names = _float_grads(ctx, grads)
         if not grads:
-            return (None, None) + _placed(ctx, ())
+            return (None, None, None) + _placed(ctx, ())
         # Where this rank's rows sit in each output: every rank's row counts, one collective.
+        ps = ctx.process_set
         mine = torch.tensor([ctx.rows[i] for i in ctx.floats], dtype=torch.int64)
-        every = mpi_ops.synchronize(mpi_ops._allgather_async(mine, f"{names[0]}.rows", None)).view(size(), -1)
-        starts = every[:rank()].sum(0).tolist()
+        every = mpi_ops.synchronize(mpi_ops._allgather_async(mine, f"{names[0]}.rows", None, ps)).view(_size(ps), -1)
+        starts = every[:_rank(ps)].sum(0).tolist()
         op = mpi_ops.Sum if _exact_gradients() else mpi_ops.Average
-        summed = _run(_core.OP_ALLREDUCE, grads, names, reduce_op=op)
+        summed = _run(_core.OP_ALLREDUCE, grads, names, ps, reduce_op=op)
         out = [g[start:start + ctx.rows[i]].to(ctx.dtypes[i]) for g, start, i in zip(summed, starts, ctx.floats)]
-        return (None, None) + _placed(ctx, out)
+        return (None, None, None) + _placed(ctx, out)
 
 
 class Reducescatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, names, op, prescale, postscale, *tensors):
-        _save(ctx, names, tensors)
+    def forward(ctx, names, op, prescale, postscale, process_set, *tensors):
+        _save(ctx, names, tensors, process_set)
         _reducing(ctx, op, prescale, postscale)
-        return _run(_core.OP_REDUCESCATTER, tensors, names, reduce_op=op, prescale=prescale, postscale=postscale)
+        return _run(_core.OP_REDUCESCATTER, tensors, names, process_set, reduce_op=op, prescale=prescale,
+                    postscale=postscale)
 
     @staticmethod
     def backward(ctx, *grads):
         _check_differentiable(ctx, "reducescatter")
         # Row block r of every input feeds rank r's output: gather the blocks back.
         grads, names = _float_grads(ctx, grads)
-        scale = ctx.scale if _exact_gradients() else ctx.scale * size()
-        g = _run(_core.OP_ALLGATHER, grads, names)
-        return (None, None, None, None) + _placed(ctx, [t * scale if scale != 1.0 else t for t in g])
+        scale = ctx.scale if _exact_gradients() else ctx.scale * _size(ctx.process_set)
+        g = _run(_core.OP_ALLGATHER, grads, names, ctx.process_set)
+        return (None, None, None, None, None) + _placed(ctx, [t * scale if scale != 1.0 else t for t in g])
 
 
 class Broadcast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, name, root_rank, tensor):
-        ctx.name, ctx.root = name, root_rank
-        return mpi_ops.synchronize(mpi_ops._broadcast_async(tensor, root_rank, name))
+    def forward(ctx, name, root_rank, process_set, tensor):
+        ctx.name, ctx.root, ctx.process_set = name, root_rank, process_set
+        return mpi_ops.synchronize(mpi_ops._broadcast_async(tensor, root_rank, name, process_set))
 
     @staticmethod
     def backward(ctx, grad):
         # Every rank's output is the root's input: only the root's input has a gradient.
         op = mpi_ops.Sum if _exact_gradients() else mpi_ops.Average
-        (g,) = _run(_core.OP_ALLREDUCE, [grad.contiguous()], [f"{ctx.name}.grad"], reduce_op=op)
-        return None, None, (g if rank() == ctx.root else torch.zeros_like(g))
+        (g,) = _run(_core.OP_ALLREDUCE, [grad.contiguous()], [f"{ctx.name}.grad"], ctx.process_set, reduce_op=op)
+        return None, None, None, (g if rank() == ctx.root else torch.zeros_like(g))

@@ -30,6 +30,14 @@ class _State:
         self.generation = 0
         self.exact_gradients = False  # HOROVOD_ZERO_EXACT_GRADIENTS, see autograd.py
         self.homogeneous = True  # every node runs the same number of ranks
+        # What process sets' transports are built with (process_sets.py), and the sets.
+        self.shm_name = ""
+        self.transport_timeout_seconds = 30.0
+        self.gloo_iface = ""
+        self.dynamic_process_sets = False  # HOROVOD_DYNAMIC_PROCESS_SETS, or init(process_sets="dynamic")
+        self.process_sets = {}  # id -> ProcessSet, the global one included
+        self.next_process_set_id = 1
+        self.process_set_changes = 0  # names the checks of add/remove calls
 
 
 _state = _State()
@@ -45,35 +53,61 @@ def _all_local_sizes_equal(backend, world: World) -> bool:
     return all(int(t) == world.local_size for t in every)
 
 
-def init():
+def init(process_sets=None):
     """Joins the job described by the launcher's environment (horovodrun, torchrun,
     or none: size 1) and starts the background runtime. Calling it again while
-    initialized does nothing."""
+    initialized does nothing.
+
+    process_sets, as in Horovod: a list of hvd.ProcessSet to register besides
+    hvd.global_process_set (every rank passes the same ones), or "dynamic" to allow
+    hvd.add_process_set() and hvd.remove_process_set() later, as
+    HOROVOD_DYNAMIC_PROCESS_SETS=1 does (see process_sets.py)."""
+    from horovod_zero.torch import process_sets as _sets
+    dynamic_asked = isinstance(process_sets, str) and process_sets.lower() == "dynamic"
+    if isinstance(process_sets, str) and not dynamic_asked:
+        raise ValueError(f"hvd.init(process_sets={process_sets!r}): pass a list of hvd.ProcessSet or \"dynamic\".")
     with _state.lock:
         if _state.runtime is not None:
             return
         config = _settings.read()  # every HOROVOD_* variable; a bad one is refused before anything starts
-        world = detect_world()
-        timeout = config.transport_timeout_seconds
-        store = make_store(world, _state.generation, timeout)
-        backend = make_gloo_backend(store, world, timeout, config.gloo_iface)
-        homogeneous = _all_local_sizes_equal(backend, world)
-        runtime = _core.Runtime(
-            backend, world.rank, world.size, world.local_rank, world.local_size, world.cross_rank, world.cross_size,
-            shm_control_name(store, world, config.shm_control), _settings.core_params(config, _core.Params()),
-        )
-        _state.world, _state.store, _state.backend, _state.runtime = world, store, backend, runtime
-        _state.exact_gradients, _state.homogeneous = config.exact_gradients, homogeneous
-        _state.generation += 1
+        _start(config)
+    try:
+        _sets._on_init(_state.world.size, config.dynamic_process_sets or dynamic_asked,
+                       None if dynamic_asked else process_sets)
+    except BaseException:
+        # Every rank fails alike (the sets are checked collectively), and init() may be
+        # called again: this frame, which the exception keeps, holds no store.
+        shutdown()
+        raise
+
+
+def _start(config):
+    """The store, the job's Gloo group and the runtime, into _state."""
+    world = detect_world()
+    timeout = config.transport_timeout_seconds
+    store = make_store(world, _state.generation, timeout)
+    backend = make_gloo_backend(store, world, timeout, config.gloo_iface)
+    homogeneous = _all_local_sizes_equal(backend, world)
+    shm_name = shm_control_name(store, world, config.shm_control)
+    runtime = _core.Runtime(
+        backend, world.rank, world.size, world.local_rank, world.local_size, world.cross_rank, world.cross_size,
+        shm_name, _settings.core_params(config, _core.Params()),
+    )
+    _state.world, _state.store, _state.backend, _state.runtime = world, store, backend, runtime
+    _state.exact_gradients, _state.homogeneous = config.exact_gradients, homogeneous
+    _state.shm_name, _state.transport_timeout_seconds, _state.gloo_iface = shm_name, timeout, config.gloo_iface
+    _state.generation += 1
 
 
 def shutdown():
     """Stops the runtime on every rank; pending ops fail. init() may be called again."""
+    from horovod_zero.torch import process_sets as _sets
     with _state.lock:
         runtime = _state.runtime
         _state.runtime = None
     if runtime is not None:
         runtime.shutdown()
+    _sets._on_shutdown()
     _state.backend = None
     _state.store = None
 

@@ -1,4 +1,6 @@
-"""Helpers built on the collectives: parameters and Python objects from a root rank."""
+"""Helpers built on the collectives: parameters and Python objects from a root rank.
+Each takes process_set= (default: every rank); root_rank is always a rank of the
+job (hvd.rank()), one of the set's."""
 
 import io
 import pickle
@@ -9,11 +11,13 @@ import torch
 
 from horovod_zero.torch.mpi_ops import broadcast_, broadcast_async_, synchronize
 from horovod_zero.torch.basics import _runtime, rank
+from horovod_zero.torch.process_sets import _id, _world_rank, global_process_set
 
 
-def broadcast_parameters(params, root_rank=0):
-    """Overwrites every rank's parameters with root_rank's. `params` is a
-    state_dict or an iterable of (name, tensor) such as model.named_parameters()."""
+def broadcast_parameters(params, root_rank=0, process_set=global_process_set):
+    """Overwrites every rank's parameters (of process_set's ranks) with root_rank's.
+    `params` is a state_dict or an iterable of (name, tensor) such as
+    model.named_parameters()."""
     if isinstance(params, dict):
         items = sorted(params.items())
     else:
@@ -26,7 +30,8 @@ def broadcast_parameters(params, root_rank=0):
             continue
         t = p.data if isinstance(p, torch.nn.Parameter) else p
         target = t if t.is_contiguous() else t.contiguous()
-        handles.append(broadcast_async_(target, root_rank, name=f"broadcast_parameters.{name}"))
+        handles.append(broadcast_async_(target, root_rank, name=f"broadcast_parameters.{name}",
+                                        process_set=process_set))
         if target is not t:
             copies.append((t, target))
     for h in handles:
@@ -38,33 +43,35 @@ def broadcast_parameters(params, root_rank=0):
 
 class _ObjectNames:
     """Names for unnamed broadcast_object() calls: the n-th call of a job (one runtime,
-    one init()) is broadcast_object.n on every rank, so the names agree without any
-    message. The count lives as long as its runtime, so a re-init starts again at 0
-    on every rank alike. Threads take numbers under a lock: two of them must never
+    one init()) on a process set is broadcast_object.n on every rank of the set, so
+    the names agree without any message (one count per set: only its ranks call it).
+    The counts live as long as their runtime, so a re-init starts again at 0 on
+    every rank alike. Threads take numbers under a lock: two of them must never
     share a number or skip one, or the ranks' names drift apart and the job stalls."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._next = weakref.WeakKeyDictionary()  # runtime -> next number
+        self._next = weakref.WeakKeyDictionary()  # runtime -> {process set id: next number}
 
-    def take(self, runtime):
+    def take(self, runtime, set_id=0):
         with self._lock:
-            n = self._next.get(runtime, 0)
-            self._next[runtime] = n + 1
+            counts = self._next.setdefault(runtime, {})
+            n = counts.get(set_id, 0)
+            counts[set_id] = n + 1
         return f"broadcast_object.{n}"
 
 
 _object_names = _ObjectNames()
 
 
-def broadcast_object(obj, root_rank=0, name=None):
-    """Returns root_rank's `obj` on every rank (pickled, sent as bytes).
+def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
+    """Returns root_rank's `obj` on every rank of process_set (pickled, sent as bytes).
 
     Unnamed calls are paired across ranks by the order in which each rank makes them.
     Threads that call it at the same time may take their turns in another order on
     each rank, so pass name= to pair each thread's calls with its peers'."""
     if name is None:
-        name = _object_names.take(_runtime())
+        name = _object_names.take(_runtime(), _id(process_set))
     if rank() == root_rank:
         buf = io.BytesIO()
         pickle.dump(obj, buf)
@@ -72,24 +79,25 @@ def broadcast_object(obj, root_rank=0, name=None):
         length = torch.tensor([payload.numel()], dtype=torch.int64)
     else:
         length = torch.zeros(1, dtype=torch.int64)
-    broadcast_(length, root_rank, name=f"{name}.len")
+    broadcast_(length, root_rank, name=f"{name}.len", process_set=process_set)
     if rank() != root_rank:
         payload = torch.empty(int(length.item()), dtype=torch.uint8)
     if payload.numel():
-        broadcast_(payload, root_rank, name=f"{name}.data")
+        broadcast_(payload, root_rank, name=f"{name}.data", process_set=process_set)
     return pickle.loads(payload.numpy().tobytes())
 
 
-def allgather_object(obj, name=None):
-    """Returns the list of every rank's `obj` (pickled), in rank order. Every rank
-    must call it; the objects may differ in type and size."""
+def allgather_object(obj, name=None, process_set=global_process_set):
+    """Returns the list of every rank's `obj` (pickled), in rank order (of
+    process_set: ps.rank()). Every rank of the set must call it; the objects may
+    differ in type and size."""
     from horovod_zero.torch.mpi_ops import grouped_allgather_async
     name = name or "allgather_object"
     data = pickle.dumps(obj)
     # One grouped op: each rank's byte count (to split the bytes apart) and its bytes.
     lengths, gathered = synchronize(grouped_allgather_async(
         [torch.tensor([len(data)], dtype=torch.int64), torch.frombuffer(bytearray(data), dtype=torch.uint8)],
-        name=[f"{name}.len", f"{name}.data"]))
+        name=[f"{name}.len", f"{name}.data"], process_set=process_set))
     out, start = [], 0
     for n in lengths.tolist():
         out.append(pickle.loads(gathered[start:start + n].numpy().tobytes()))
@@ -97,12 +105,12 @@ def allgather_object(obj, name=None):
     return out
 
 
-def broadcast_optimizer_state(optimizer, root_rank=0, model=None):
+def broadcast_optimizer_state(optimizer, root_rank=0, model=None, process_set=global_process_set):
     """Makes every rank's optimizer state and hyperparameters root_rank's: the state of
     each parameter (tensors such as momentum buffers, and values such as a step
     count) and every param group's settings (lr, betas, ...). Parameters are matched
     by their position in param_groups, as in state_dict(). Works on torch.optim
-    optimizers and on hvd.DistributedOptimizer; call it on every rank.
+    optimizers and on hvd.DistributedOptimizer; call it on every rank (of process_set).
 
     Unlike Horovod's, it takes no optimizer step to create missing state: a rank
     receives the state root has (none if root has none). `model` is accepted for
@@ -116,21 +124,26 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None):
     shape = (len(optimizer.param_groups), len(params))
     # Every rank says how many groups and parameters it has; root adds its layout.
     everyone = allgather_object((shape, _state_layout(optimizer, params) if rank() == root_rank else None),
-                                name="broadcast_optimizer_state")
-    root_shape, layout = everyone[root_rank]
+                                name="broadcast_optimizer_state", process_set=process_set)
+    root_at = [k for k, (_, layout) in enumerate(everyone) if layout is not None]
+    if len(root_at) != 1:
+        raise ValueError(f"root_rank {root_rank} is not one of the ranks that called broadcast_optimizer_state() "
+                         f"(on {process_set}): pass the rank (hvd.rank()) of one of them.")
+    root_shape, layout = everyone[root_at[0]]
     differ = [k for k, (s, _) in enumerate(everyone) if s != root_shape]
     if differ:
         raise ValueError(
             f"Rank {root_rank}'s optimizer has {root_shape[0]} param groups and {root_shape[1]} parameters, but "
-            f"ranks {differ} have {[everyone[k][0] for k in differ]}: build the same optimizer over the same model "
-            "on every rank.")
+            f"ranks {[_world_rank(process_set, k) for k in differ]} have {[everyone[k][0] for k in differ]}: build "
+            "the same optimizer over the same model on every rank.")
     received = {}
     for i, (p, entries) in enumerate(zip(params, layout["state"])):
         mine = optimizer.state.get(p, {})
         for key, spec in entries.items():
             if isinstance(spec, _TensorSpec):
                 t = mine[key].contiguous() if rank() == root_rank else _receiver(mine.get(key), spec, p)
-                received[i, key] = (t, broadcast_async_(t, root_rank, name=f"broadcast_optimizer_state.{i}.{key}"))
+                received[i, key] = (t, broadcast_async_(t, root_rank, name=f"broadcast_optimizer_state.{i}.{key}",
+                                                        process_set=process_set))
     synchronize([h for _, h in received.values()])
     if rank() == root_rank:
         return

@@ -22,8 +22,9 @@ from typing import NamedTuple, Optional
 import torch
 
 from horovod_zero.torch import mpi_ops
-from horovod_zero.torch.basics import _core, size
+from horovod_zero.torch.basics import _core
 from horovod_zero.torch.compression import Compression
+from horovod_zero.torch.process_sets import _id, _size, global_process_set
 from horovod_zero.torch.sparse import sparse_allreduce_async
 
 
@@ -104,7 +105,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     consecutive parameters, each reduced as one grouped op once all its gradients
     are ready; or a list of lists of parameters; `num_groups` is its old name), and
     `sparse_as_dense` (allreduce sparse gradients, e.g. nn.Embedding(sparse=True)'s,
-    as dense tensors instead of allgathering their entries).
+    as dense tensors instead of allgathering their entries), and `process_set`
+    (gradients are reduced over its ranks only; on a rank outside it, step() steps
+    the wrapped optimizer with the local gradients, as in Horovod).
 
     A rank on which a parameter got no gradient reduces zeros for it, so every
     rank's gradient is the same (as in Horovod). To change gradients before the
@@ -117,7 +120,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = False
 
     def __init__(self, optimizer, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
-                 op=mpi_ops.Average, gradient_predivide_factor=1.0, num_groups=0, groups=None, sparse_as_dense=False):
+                 op=mpi_ops.Average, gradient_predivide_factor=1.0, num_groups=0, groups=None, sparse_as_dense=False,
+                 process_set=global_process_set):
         if isinstance(optimizer, DistributedOptimizer):
             raise ValueError("This optimizer is a DistributedOptimizer already; wrap the torch optimizer once.")
         if not hasattr(optimizer, "param_groups"):
@@ -134,7 +138,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             groups = num_groups if groups is None else groups
         if groups is not None and not isinstance(groups, list) and not (isinstance(groups, int) and groups > 0):
             raise ValueError("groups takes a number of groups (> 0) or a list of lists of parameters.")
+        process_set = global_process_set if process_set is None else process_set
+        _id(process_set)  # refuses what is not a registered process set, now rather than in backward
         self.optimizer = optimizer
+        self.process_set = process_set
         self._compression = compression
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
@@ -152,8 +159,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._units, self._unit_of = [], {}
         self._hooks = []
         weakref.finalize(self, _remove_all, self._hooks)  # hooks go when the optimizer goes
-        # One rank has nothing to reduce (Horovod registers no hooks either).
-        self._hooked = size() > 1
+        # One rank has nothing to reduce (Horovod registers no hooks either), nor has a
+        # rank outside the process set.
+        self._hooked = process_set.included() and _size(process_set) > 1
         self._add_params([p for g in optimizer.param_groups for p in g["params"]])
 
     # --- forwarding to the wrapped optimizer ---------------------------------
@@ -251,7 +259,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 p.grad = torch.zeros_like(p)
             g = p.grad
             if g.is_sparse and not self.sparse_as_dense:
-                sparse.append(_Reduction(p, sparse_allreduce_async(g, self._names[p], self.op), None, None, False))
+                handle = sparse_allreduce_async(g, self._names[p], self.op, process_set=self.process_set)
+                sparse.append(_Reduction(p, handle, None, None, False))
                 continue
             wire, ctx = self._compression.compress(g.to_dense() if g.is_sparse else g.contiguous())
             dense.append((p, wire, ctx, g.is_sparse))
@@ -262,9 +271,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not tensors:
             return []
         pre, post = self._scales()
+        ps = self.process_set
         if len(tensors) == 1:  # the runtime's cheaper path for one tensor
-            return [mpi_ops._enqueue_one(_core.OP_ALLREDUCE, tensors[0], tensors[0], names[0], self.op, pre, post)]
-        return mpi_ops._enqueue(_core.OP_ALLREDUCE, tensors, tensors, names, self.op, pre, post)
+            return [mpi_ops._enqueue_one(_core.OP_ALLREDUCE, tensors[0], tensors[0], names[0], self.op, pre, post,
+                                         process_set=ps)]
+        return mpi_ops._enqueue(_core.OP_ALLREDUCE, tensors, tensors, names, self.op, pre, post, process_set=ps)
 
     def _finish(self, r, output):
         p = r.param

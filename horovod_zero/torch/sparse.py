@@ -7,7 +7,7 @@ ranks. The result is not coalesced (call .coalesce() where that matters)."""
 import torch
 
 from horovod_zero.torch import mpi_ops
-from horovod_zero.torch.basics import size
+from horovod_zero.torch.process_sets import _size, global_process_set
 
 
 class SparseAllreduceHandle(mpi_ops.ComposedHandle):
@@ -31,9 +31,9 @@ class SparseAllreduceHandle(mpi_ops.ComposedHandle):
         return self._result
 
 
-def sparse_allreduce_async(tensor, name=None, op=None):
-    """Starts the allreduce of a sparse COO tensor (op Sum or Average, the default);
-    returns a handle for hvd.synchronize()."""
+def sparse_allreduce_async(tensor, name=None, op=None, process_set=global_process_set):
+    """Starts the allreduce of a sparse COO tensor (op Sum or Average, the default)
+    over process_set's ranks; returns a handle for hvd.synchronize()."""
     if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
         raise TypeError("sparse_allreduce_async takes a torch.sparse_coo tensor; use allreduce_async for dense "
                         "tensors (or .to_sparse() this one).")
@@ -43,8 +43,9 @@ def sparse_allreduce_async(tensor, name=None, op=None):
     if op == mpi_ops.Average and not tensor.dtype.is_floating_point:
         raise ValueError(f"Average of a {tensor.dtype} sparse tensor is refused, as for dense ones: use op=hvd.Sum "
                          "and divide, or convert the values to a floating-point dtype.")
-    name = mpi_ops._name("sparse_allreduce", name)
+    name = mpi_ops._name("sparse_allreduce", name, process_set)
     # Allgather concatenates along dim 0: indices go as (entries, sparse dims), one row per entry.
-    indices = mpi_ops.allgather_async(tensor._indices().t().contiguous(), name=f"{name}.indices")
-    values = mpi_ops.allgather_async(tensor._values().contiguous(), name=f"{name}.values")
-    return SparseAllreduceHandle(tensor, indices, values, size() if op == mpi_ops.Average else 1)
+    indices = mpi_ops.allgather_async(tensor._indices().t().contiguous(), name=f"{name}.indices",
+                                      process_set=process_set)
+    values = mpi_ops.allgather_async(tensor._values().contiguous(), name=f"{name}.values", process_set=process_set)
+    return SparseAllreduceHandle(tensor, indices, values, _size(process_set) if op == mpi_ops.Average else 1)

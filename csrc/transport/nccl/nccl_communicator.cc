@@ -41,7 +41,8 @@ Status NcclStatus(ncclResult_t r, const char* what) {
                        " (set NCCL_DEBUG=INFO for NCCL's own account)");
 }
 
-Status NcclCommunicator::Create(int device, ControlPlane& cp, std::unique_ptr<NcclCommunicator>* out) {
+Status NcclCommunicator::Create(int device, ControlPlane& cp, cudaStream_t stream,
+                                std::unique_ptr<NcclCommunicator>* out) {
   HVDZ_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device), "cudaSetDevice"));
   ncclUniqueId id;
   std::vector<uint8_t> bytes;
@@ -54,22 +55,34 @@ Status NcclCommunicator::Create(int device, ControlPlane& cp, std::unique_ptr<Nc
   std::memcpy(&id, bytes.data(), sizeof(id));
   ncclComm_t comm;
   HVDZ_RETURN_IF_ERROR(NcclStatus(ncclCommInitRank(&comm, cp.size(), id, cp.rank()), "ncclCommInitRank"));
-  // High priority: collectives should not queue behind the compute they overlap.
-  int lo = 0, hi = 0;
-  cudaDeviceGetStreamPriorityRange(&lo, &hi);
-  cudaStream_t stream;
-  HVDZ_RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, hi),
-                                  "cudaStreamCreateWithPriority"));
   out->reset(new NcclCommunicator(device, comm, stream));
   return Status::OK();
 }
 
+Status NcclCommunicator::Split(NcclCommunicator& parent, int key, std::unique_ptr<NcclCommunicator>* out) {
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 18, 0)
+  HVDZ_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(parent.device_), "cudaSetDevice"));
+  ncclComm_t comm = nullptr;
+  const int color = key >= 0 ? 0 : NCCL_SPLIT_NOCOLOR;
+  HVDZ_RETURN_IF_ERROR(NcclStatus(ncclCommSplit(parent.comm_, color, key >= 0 ? key : 0, &comm, nullptr),
+                                  "ncclCommSplit"));
+  if (comm != nullptr) out->reset(new NcclCommunicator(parent.device_, comm, parent.stream_));
+  return Status::OK();
+#else
+  (void)parent;
+  (void)key;
+  (void)out;
+  return Status::Error("this NCCL has no ncclCommSplit (2.18 or later)");
+#endif
+}
+
+// The stream is the device's, not this communicator's: work of other communicators
+// may still be queued on it.
 NcclCommunicator::~NcclCommunicator() {
   if (!aborted_) {
     cudaStreamSynchronize(stream_);
     ncclCommDestroy(comm_);
   }
-  cudaStreamDestroy(stream_);
 }
 
 Status NcclCommunicator::AsyncError() {

@@ -1,5 +1,7 @@
-// A raw NCCL communicator with its own stream. The unique id travels over the
-// control plane (Gloo), so NCCL needs no store of its own.
+// A raw NCCL communicator whose collectives run on a stream it is given: every
+// communicator of a device (one per process set) shares the device's one
+// collective stream (see [Note: process sets] in runtime/process_set.h). The
+// unique id travels over the control plane, so NCCL needs no store of its own.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -14,7 +16,14 @@ namespace hvdz {
 
 class NcclCommunicator : public Communicator {
  public:
-  static Status Create(int device, ControlPlane& cp, std::unique_ptr<NcclCommunicator>* out);
+  // A communicator of cp's ranks, its unique id from cp's rank 0; collectives go on
+  // `stream`, which the caller keeps until this communicator is gone.
+  static Status Create(int device, ControlPlane& cp, cudaStream_t stream, std::unique_ptr<NcclCommunicator>* out);
+  // ncclCommSplit of `parent`, collective over every rank of it: `key` >= 0 is this
+  // rank's place in the new communicator (ranks ordered by key), -1 takes no part
+  // and gets none (*out stays null). Same device and stream as `parent`. Fails on
+  // an NCCL without ncclCommSplit (before 2.18).
+  static Status Split(NcclCommunicator& parent, int key, std::unique_ptr<NcclCommunicator>* out);
   ~NcclCommunicator() override;
 
   cudaStream_t stream() const { return stream_; }
