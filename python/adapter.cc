@@ -303,9 +303,10 @@ class PyRuntime {
     py::list out;
     for (const auto& kv : rt_->counters().Snapshot()) {
       py::dict d;
-      d["op"] = OpTypeName(std::get<0>(kv.first));
-      d["device"] = std::get<1>(kv.first) ? "cuda" : "cpu";
-      d["dtype"] = DataTypeName(std::get<2>(kv.first));
+      d["process_set"] = std::get<0>(kv.first);
+      d["op"] = OpTypeName(std::get<1>(kv.first));
+      d["device"] = std::get<2>(kv.first) ? "cuda" : "cpu";
+      d["dtype"] = DataTypeName(std::get<3>(kv.first));
       d["collectives"] = kv.second.collectives;
       d["tensors"] = kv.second.tensors;
       d["bytes"] = kv.second.bytes;

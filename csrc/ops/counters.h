@@ -1,5 +1,6 @@
-// Collective counts and bytes, by op, device kind and wire dtype: how tests prove
-// fusion and the wire dtype, and how benchmarks report bytes on the wire.
+// Collective counts and bytes, by process set, op, device kind and wire dtype: how
+// tests prove fusion and the wire dtype, and how benchmarks report bytes on the wire
+// (per set: what crossed nodes, with hybrid sharding).
 #pragma once
 
 #include <cstdint>
@@ -19,10 +20,10 @@ struct OpStats {
 
 class Counters {
  public:
-  using Key = std::tuple<OpType, bool /*cuda*/, DataType /*wire*/>;
-  void Record(OpType op, bool cuda, DataType wire, uint64_t tensors, uint64_t bytes) {
+  using Key = std::tuple<int /*process set*/, OpType, bool /*cuda*/, DataType /*wire*/>;
+  void Record(int set_id, OpType op, bool cuda, DataType wire, uint64_t tensors, uint64_t bytes) {
     std::lock_guard<std::mutex> lk(mu_);
-    auto& s = stats_[Key{op, cuda, wire}];
+    auto& s = stats_[Key{set_id, op, cuda, wire}];
     s.collectives += 1;
     s.tensors += tensors;
     s.bytes += bytes;

@@ -47,7 +47,7 @@ Status Executor::RunProgram(DeviceContext& ctx, const Program& p, const std::vec
   }
   HVDZ_RETURN_IF_ERROR(IssueAll(ctx.comm(), p));
   // Once per launch: a direct group's calls are one launch.
-  counters_.Record(p.op, p.on_cuda, p.wire, entries.size(), static_cast<uint64_t>(p.elems) * DataTypeSize(p.wire));
+  counters_.Record(set_id_, p.op, p.on_cuda, p.wire, entries.size(), static_cast<uint64_t>(p.elems) * DataTypeSize(p.wire));
   Mark(entries, "COLLECTIVE", t0);
   if (!p.out.descs.empty()) {
     t0 = Clock::now();

@@ -18,8 +18,10 @@ namespace hvdz {
 class Executor {
  public:
   // `direct_max_tensors` < 0: chosen from `size`, see [Note: direct groups].
-  Executor(int rank, int size, int direct_max_tensors, Timeline& timeline, Counters& counters)
-      : rank_(rank), size_(size), planner_(rank, size, direct_max_tensors), timeline_(timeline), counters_(counters) {}
+  // `set_id`: the process set whose collectives it runs (counted under that id).
+  Executor(int rank, int size, int direct_max_tensors, Timeline& timeline, Counters& counters, int set_id = 0)
+      : rank_(rank), size_(size), set_id_(set_id), planner_(rank, size, direct_max_tensors), timeline_(timeline),
+        counters_(counters) {}
 
   // `entries[i]` belongs to `group[i]`.
   void Execute(DeviceContext& ctx, const std::vector<const Response*>& group,
@@ -36,6 +38,7 @@ class Executor {
 
   int rank_;
   int size_;
+  int set_id_;
   Planner planner_;
   Timeline& timeline_;
   Counters& counters_;

@@ -17,7 +17,7 @@ ProcessSet::ProcessSet(int32_t id, std::vector<int> world_ranks, int world_rank,
   rank_ = SetRankOf(world_rank);
   if (rank_ < 0) return;
   controller_ = std::make_unique<Controller>(*control_, params, log, scope_);
-  executor_ = std::make_unique<Executor>(rank_, size(), params.direct_max_tensors, timeline, counters);
+  executor_ = std::make_unique<Executor>(rank_, size(), params.direct_max_tensors, timeline, counters, id);
   // The CPU buffer grows to what ops ask for and is kept up to this size (a fused
   // reduce-scatter needs its threshold plus one segment: twice that), then freed when idle.
   cpu_ctx_ = std::make_unique<CpuContext>(*cpu_comm_, alloc, 2 * std::max<int64_t>(params.fusion_threshold_bytes, 8 << 20));

@@ -237,8 +237,9 @@ def runtime_info() -> dict:
 
 
 def collective_stats(reset: bool = False) -> list:
-    """Collectives executed so far: one dict per (op, device, wire dtype) with the
-    number of collective calls, the tensors they carried and the buffer bytes."""
+    """Collectives executed so far: one dict per (process set id, op, device, wire
+    dtype) with the number of collective calls, the tensors they carried and the
+    buffer bytes ("process_set": 0 is the global set)."""
     rt = _runtime()
     stats = list(rt.stats())
     if reset:

@@ -158,7 +158,7 @@ TEST(AlltoallExecutor, UnevenAndEmptyPartsLandRankByRank) {
     EXPECT_FALSE(comm.launches()[0].grouped);
     auto stats = counters.Snapshot();
     ASSERT_EQ(stats.size(), 1u);
-    EXPECT_EQ(std::get<0>(stats.begin()->first), OpType::kAlltoall);
+    EXPECT_EQ(std::get<1>(stats.begin()->first), OpType::kAlltoall);
     EXPECT_EQ(stats.begin()->second.bytes, 7u * row * 8) << "every rank's rows";
   });
 }

@@ -295,8 +295,8 @@ void Rank::ExpectCost(const GroupSpec& g, size_t copies_before, size_t buffers_b
   auto stats = counters.Snapshot();
   ASSERT_EQ(stats.size(), 1u) << what;
   const auto& key = stats.begin()->first;
-  EXPECT_EQ(std::get<0>(key), g.op) << what;
-  EXPECT_EQ(std::get<2>(key), g.out_dtype) << what;
+  EXPECT_EQ(std::get<1>(key), g.op) << what;
+  EXPECT_EQ(std::get<3>(key), g.out_dtype) << what;
   EXPECT_EQ(stats.begin()->second.collectives, 1u) << what;
   EXPECT_EQ(stats.begin()->second.tensors, g.tensors.size()) << what;
   if (c.bytes >= 0) {

@@ -139,7 +139,9 @@ def launch(fn, size, *args, env=None, timeout=120):
     answering are missing from it."""
     port = free_port()
     outbox = _CTX.Queue()
-    procs = [_CTX.Process(target=_launched, args=(rank_env(r, size, port, env), fn, args, outbox)) for r in range(size)]
+    # env: a dict for every rank, or rank -> dict (e.g. simulated nodes).
+    procs = [_CTX.Process(target=_launched, args=(rank_env(r, size, port, env(r) if callable(env) else env), fn, args,
+                                                  outbox)) for r in range(size)]
     for p in procs:
         p.start()
     out = {}

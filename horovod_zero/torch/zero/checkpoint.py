@@ -16,9 +16,10 @@ from horovod_zero.torch.functions import broadcast_object
 from horovod_zero.torch.zero import compat
 
 
-def _gather_full(t, s, name):
-    """A shard-shaped tensor (this rank's part of parameter `s`) -> the full tensor."""
-    full = mpi_ops.allgather(t.detach().float().contiguous(), name=name)
+def _gather_full(t, s, name, process_set):
+    """A shard-shaped tensor (this rank's part of parameter `s`) -> the full tensor,
+    gathered from the ranks that hold the other shards (`process_set`)."""
+    full = mpi_ops.allgather(t.detach().float().contiguous(), name=name, process_set=process_set)
     return full[:s.numel].view(s.shape).cpu()
 
 
@@ -33,11 +34,11 @@ def _consolidated(model, opt):
     inner = opt.optimizer
     params, state = {}, {}
     for s, mp in zip(opt._shards, opt._master_params):
-        params[s.name] = _gather_full(mp, s, f"zero.ckpt.param.{s.index}")
+        params[s.name] = _gather_full(mp, s, f"zero.ckpt.param.{s.index}", opt._storage.shard_set)
         entry = {}
         for key, value in sorted(inner.state.get(mp, {}).items()):
             if torch.is_tensor(value) and value.shape == mp.shape:
-                entry[key] = _gather_full(value, s, f"zero.ckpt.state.{s.index}.{key}")
+                entry[key] = _gather_full(value, s, f"zero.ckpt.state.{s.index}.{key}", opt._storage.shard_set)
             else:
                 entry[key] = value.cpu() if torch.is_tensor(value) else value
         state[s.name] = entry

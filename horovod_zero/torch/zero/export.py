@@ -68,7 +68,7 @@ def _save_model(path, model, opt):
         if isinstance(source, int):
             s = opt._shards[source]
             shard = opt._master_params[source].detach().float().contiguous()
-            t = mpi_ops.allgather(shard, name=f"zero.export.{source}")[:s.numel]
+            t = mpi_ops.allgather(shard, name=f"zero.export.{source}", process_set=opt._storage.shard_set)[:s.numel]
         else:
             t = source.detach()
         if f is not None and failure is None:

@@ -42,7 +42,8 @@ class ParamGatherer:
                 self._after.update({i: (o, full) for (i, o), full in zip(items, outs)})
                 out_dtype = None
             names = [f"zero.param.{i}" for i, _ in items]
-            handles = mpi_ops._enqueue(_core.OP_ALLGATHER, ins, outs, names, output_dtype=out_dtype)
+            handles = mpi_ops._enqueue(_core.OP_ALLGATHER, ins, outs, names, output_dtype=out_dtype,
+                                       process_set=st.shard_set)
             self.in_flight.update({i: h for (i, _), h in zip(items, handles)})
 
     def wait(self, indices=None):

@@ -30,7 +30,7 @@ import torch
 
 from horovod_zero.torch import mpi_ops
 from horovod_zero.torch.basics import rank, size
-from horovod_zero.torch.zero import compat, guard
+from horovod_zero.torch.zero import compat, guard, hybrid
 from horovod_zero.torch.zero.cast import cast_floating
 from horovod_zero.torch.zero.config import ZeroConfig
 from horovod_zero.torch.zero.gather import ParamGatherer, hook_forward_waits
@@ -100,7 +100,7 @@ class DistributedZeroOptimizer:
     def __init__(self, optimizer, model=None, named_parameters=None, stage=2, param_dtype=None,
                  reduce_dtype=None, backward_passes_per_step=1, loss_scaler=None, overlap_param_gather=False,
                  cast_forward_inputs=True, units=None, reshard_after_forward=True, offload_optimizer=None,
-                 nvme_path=None, offload_params=None, overlap_step=False):
+                 nvme_path=None, offload_params=None, overlap_step=False, shard_group=None):
         _check_stage_args(stage, model, units, overlap_param_gather)
         if loss_scaler is None and param_dtype == torch.float16:
             loss_scaler = LossScaler()
@@ -115,13 +115,18 @@ class DistributedZeroOptimizer:
         remake_state = holds_constructor_state(optimizer)
         self.optimizer = optimizer
         self.stage = stage
-        self._size, self._rank = size(), rank()
+        if shard_group not in (None, "world", "node"):
+            raise ValueError(f"shard_group={shard_group!r}: use None (shard over every rank) or 'node' (shard "
+                             "within each node, replicate across nodes).")
+        groups = hybrid.node_sharding() if shard_group == "node" else hybrid.full_sharding()
+        self._size, self._rank = groups.size, groups.rank
         self._names = check_names(optimizer, model, named_parameters)
         self._model = weakref.ref(model) if model is not None else None
         params = [p for g in optimizer.param_groups for p in g["params"]]
         device = _one_device(params, torch.device("cpu"))
         self._storage = ShardedStorage(self._rank, self._size, device, offload.master_device(device), param_dtype,
                                        self.config, sharded_params=stage == 3)
+        self._storage.shard_set, self._storage.cross_set = groups.shard_set, groups.cross_set
         self._reducer = GradReducer(self._storage, stage >= 2, backward_passes_per_step, reduce_dtype,
                                     self.config.bucket_bytes)
         self._gatherer = ParamGatherer(self._storage, self.config.downcast)
@@ -263,7 +268,9 @@ class DistributedZeroOptimizer:
         local = torch.zeros(1, dtype=torch.float64, device=self._device)
         if grads:
             local += torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
-        total = mpi_ops.allreduce(local, op=mpi_ops.Sum, name="zero.grad_norm").sqrt()[0]
+        # Over the ranks holding one copy of every shard (all of them, or one node's).
+        total = mpi_ops.allreduce(local, op=mpi_ops.Sum, name="zero.grad_norm",
+                                  process_set=self._storage.shard_set).sqrt()[0]
         coef = float(max_norm) / (float(total) + 1e-6)
         if coef < 1.0 and grads:
             torch._foreach_mul_(grads, coef)

@@ -63,8 +63,8 @@ class GradReducer:
     def flush(self):
         bucket, self._bucket, self._bucket_bytes = self._bucket, [], 0
         self._submit(bucket)
-        if self.sink is not None:
-            self._drain()
+        if self.sink is not None and self._storage.cross_set is None:
+            self._drain()  # with hybrid sharding a shard is final only after its cross-node average
 
     def _drain(self):
         """Hands the sink the reductions that have finished (in submission order)."""
@@ -110,7 +110,8 @@ class GradReducer:
             seen[s.index] = seen.get(s.index, 0) + 1
             names.append(f"zero.grad.{s.index}.{k}")
         # The runtime holds the inputs until their collective is done, then frees them.
-        handles = mpi_ops._enqueue(_core.OP_REDUCESCATTER, ins, outs, names, mpi_ops.Average)
+        handles = mpi_ops._enqueue(_core.OP_REDUCESCATTER, ins, outs, names, mpi_ops.Average,
+                                   process_set=self._storage.shard_set)
         for h, (s, _, _) in zip(handles, taken):
             self._pending.setdefault(s.index, []).append(h)
 
@@ -135,9 +136,11 @@ class GradReducer:
         masters = self._storage.master_params
         if self.sink is not None:
             self.sink.scale = unscale
+        across = self._average_across_nodes(trained, had)
         for (s, _), flag in zip(trained, had):
             # One output per reduction this step.
-            outs = self._done.pop(s.index, []) + [mpi_ops.synchronize(h) for h in self._pending.get(s.index, ())]
+            outs = across.get(s.index) or (self._done.pop(s.index, []) +
+                                            [mpi_ops.synchronize(h) for h in self._pending.get(s.index, ())])
             if self.sink is not None:
                 if not flag:
                     self.sink.no_grad(s)
@@ -161,6 +164,26 @@ class GradReducer:
         self._had_grad.clear()
         self._delay = [self._bpps] * len(self._storage.shards)
         self.reduced = True
+
+    def _average_across_nodes(self, trained, had):
+        """Hybrid sharding: each reduced shard averaged with its replicas on the other nodes
+        (one grouped allreduce in the cross set). {shard index: [output]}; {} otherwise."""
+        cross = self._storage.cross_set
+        if cross is None:
+            return {}
+        items = []
+        for (s, _), flag in zip(trained, had):
+            outs = self._done.pop(s.index, []) + [mpi_ops.synchronize(h) for h in self._pending.pop(s.index, ())]
+            if flag:
+                total = outs[0]
+                for o in outs[1:]:
+                    total = total + o
+                items.append((s, total))
+        handles = mpi_ops._enqueue(_core.OP_ALLREDUCE, [t for _, t in items], [t for _, t in items],
+                                   [f"zero.cross.{s.index}" for s, _ in items], mpi_ops.Average,
+                                   process_set=cross) if items else []
+        mpi_ops.synchronize(handles)
+        return {s.index: [t] for s, t in items}
 
     def _had_grad_anywhere(self, trained):
         """Per trained parameter, whether any rank had a gradient for it this step."""

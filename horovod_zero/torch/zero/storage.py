@@ -26,6 +26,9 @@ class ShardedStorage:
         self.param_dtype = param_dtype
         self.config = config
         self.sharded_params = sharded_params  # stage 3: full parameters exist only while gathered
+        # Which ranks share this rank's shards (hybrid.py): the set that reduce-scatters and
+        # gathers them, and the set that averages the replicas. None: the global set, none.
+        self.shard_set, self.cross_set = None, None
         # Indexed by shard index (the parameter's position in the optimizer's order).
         self.shards, self.params, self.stores, self.master_params = [], [], [], []
         self.master, self.plan = [], []  # per param group: flat fp32 buffer, its ParamShards

@@ -106,7 +106,8 @@ class HostOffload:
         local = torch.zeros(1, dtype=torch.float64)
         for g in self._present():
             local += torch.linalg.vector_norm(g, dtype=torch.float32).double().pow(2)
-        total = mpi_ops.allreduce(local, op=mpi_ops.Sum, name="zero.offload.grad_norm").sqrt()[0]
+        total = mpi_ops.allreduce(local, op=mpi_ops.Sum, name="zero.offload.grad_norm",
+                                  process_set=self._st.shard_set).sqrt()[0]
         return total * self.scale
 
     def found_inf(self):

@@ -1,0 +1,62 @@
+"""Hybrid sharding (shard_group="node"): shards within each node, replicas across
+nodes, as FSDP2's HSDP and ZeRO++'s hpZ do.
+
+[Note: hybrid sharding]
+- The node set holds the ranks of one node (same hvd.cross_rank()); the cross set
+  holds the ranks at the same place in every node, which hold the same shards.
+- A parameter is split into local_size shards; a rank keeps its node-local shard
+  (master, optimizer state: 1/local_size each).
+- Gradients: reduce-scatter (Average) in the node set, then an allreduce (Average)
+  of each shard in the cross set; with equal nodes that is the average over every
+  rank, and only the shards (1/local_size of the gradients) cross nodes.
+- Gathers, stage 3's included, run in the node set: they never leave the node.
+- Norms reduce over the node set (each node holds every shard once); checks that
+  must agree everywhere (which parameters had a gradient, overflow) stay global.
+Both sets are registered by every rank in the same order when the optimizer is built
+(process sets are collective), or reused when the job has them already."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+from horovod_zero.torch import basics
+from horovod_zero.torch.functions import allgather_object
+from horovod_zero.torch.process_sets import ProcessSet, _add
+
+
+@dataclass(frozen=True)
+class ShardGroups:
+    rank: int                      # this rank's place among the ranks sharing its shards
+    size: int                      # how many ranks one parameter is split over
+    shard_set: Optional[ProcessSet]  # None: the global set (full sharding)
+    cross_set: Optional[ProcessSet]  # None: no replicas to average over
+
+
+def full_sharding() -> ShardGroups:
+    return ShardGroups(basics.rank(), basics.size(), None, None)
+
+
+def _registered(ranks):
+    """The process set of `ranks`: the job's own if it has one, else a new one."""
+    known = getattr(basics._state, "process_sets", {})
+    same = next((ps for ps in known.values() if ps.ranks == sorted(ranks)), None)
+    return same if same is not None else _add(ProcessSet(ranks), "DistributedZeroOptimizer(shard_group='node')")
+
+
+def node_sharding() -> ShardGroups:
+    """Every rank must call it, in the same order as its other process-set changes."""
+    nodes = allgather_object(basics.cross_rank(), name="zero.hybrid.nodes")
+    members = {}
+    for r, node in enumerate(nodes):
+        members.setdefault(node, []).append(r)
+    sizes = {len(m) for m in members.values()}
+    if len(sizes) != 1:
+        raise ValueError(f"shard_group='node' needs the same number of ranks on every node; the nodes have "
+                         f"{ {n: len(m) for n, m in sorted(members.items())} } ranks. Use shard_group=None.")
+    local = sizes.pop()
+    if len(members) == 1:
+        return full_sharding()  # one node: hybrid sharding is full sharding
+    node_sets = {n: _registered(m) for n, m in sorted(members.items())}
+    cross_sets = [_registered([m[j] for _, m in sorted(members.items())]) for j in range(local)]
+    mine = members[nodes[basics.rank()]]
+    place = mine.index(basics.rank())
+    return ShardGroups(place, local, node_sets[nodes[basics.rank()]], cross_sets[place])

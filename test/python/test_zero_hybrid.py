@@ -1,0 +1,128 @@
+"""Hybrid sharding (shard_group="node") over 4 CPU ranks as 2 simulated nodes of 2
+(torchrun's variables: LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK), against the
+single-process reference, with the bytes each process set carried per step: only
+the cross-node allreduce of the shards, 1/local_size of the gradients, crosses
+nodes, and stage 3's gathers never do. Checkpoints move between hybrid and full
+sharding."""
+
+import functools
+
+import pytest
+import torch
+
+import horovod_zero.torch as hvd
+from harness import launch
+from refs import STEPS, adamw, batch, mlp, mse, rank_rows, rel_err, train_reference
+
+NODES, LOCAL = 2, 2
+
+
+def _node_env(rank, nodes, local):
+    return {"LOCAL_RANK": str(rank % local), "LOCAL_WORLD_SIZE": str(local), "GROUP_RANK": str(rank // local)}
+
+
+def _wrap(model, stage, **kwargs):
+    if stage == 3:
+        kwargs["units"] = [torch.nn.Linear]
+    return hvd.DistributedZeroOptimizer(adamw(model.named_parameters()), model=model, stage=stage, **kwargs)
+
+
+def _train(model, opt, clip, steps=STEPS, start=0):
+    n, r = hvd.size(), hvd.rank()
+    per_step = []
+    for step in range(start, start + steps):
+        hvd.collective_stats(reset=True)
+        x, y = batch(step, 0)
+        mse(model, rank_rows(x, r, n), rank_rows(y, r, n)).backward()
+        if clip:
+            opt.clip_grad_norm_(clip)
+        opt.step()
+        opt.zero_grad()
+        per_step.append(hvd.collective_stats())
+    return per_step
+
+
+def _weights(model, opt):
+    if opt.stage == 3:
+        with opt.gathered_params():
+            return [p.detach().double().clone() for p in model.parameters()]
+    return [p.detach().double().clone() for p in model.parameters()]
+
+
+def _hybrid(stage, clip, offload):
+    hvd.init()
+    model = mlp()
+    opt = _wrap(model, stage, shard_group="node", offload_optimizer="cpu" if offload else None)
+    stats = _train(model, opt, clip)
+    ref, _ = train_reference(1, clip)
+    errs = [rel_err(p, q) for p, q in zip(_weights(model, opt), ref.parameters())]
+    st = opt._storage
+    out = {"errs": errs, "stats": stats, "shard_elems": sum(s.shard for s in st.shards),
+           "node_set": st.shard_set.process_set_id, "cross_set": st.cross_set.process_set_id,
+           "state": sum(v.numel() for s in opt.state.values() for k, v in s.items() if k == "exp_avg"),
+           "total": sum(p.numel() for p in mlp().parameters()), "tensors": len(st.shards)}
+    hvd.barrier()  # a rank's shutdown stops every rank: the other node may still be gathering
+    hvd.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("stage,clip,offload", [(1, None, False), (2, 0.05, False), (3, None, False),
+                                                (2, None, True)],
+                         ids=["stage1", "stage2-clip", "stage3", "stage2-offload"])
+def test_hybrid_sharding_matches_reference_and_only_shards_cross_nodes(stage, clip, offload):
+    res = launch(_hybrid, NODES * LOCAL, stage, clip, offload, env=functools.partial(_node_env, nodes=NODES,
+                                                                                    local=LOCAL), timeout=180)
+    assert all(s == "ok" for s, _ in res.values()), res
+    for r, (_, out) in res.items():
+        assert max(out["errs"]) < 1e-5, (r, out["errs"])
+        assert out["state"] == out["shard_elems"] < out["total"]  # 1/local_size of the state, plus padding
+        for step in out["stats"]:
+            cross = [s for s in step if s["process_set"] == out["cross_set"]]
+            # One allreduce of this rank's fp32 gradient shards crosses nodes, nothing else there:
+            # their bytes, plus at most the fusion buffer's 64-byte alignment of each tensor.
+            assert {s["op"] for s in cross} == {"allreduce"}, cross
+            moved, shards = sum(s["bytes"] for s in cross), 4 * out["shard_elems"]
+            assert shards <= moved < shards + 64 * out["tensors"], (cross, shards)
+            assert moved < 4 * out["total"] / LOCAL + 64 * out["tensors"]
+            # The global set only carries small checks (which parameters had gradients, the
+            # norm's partial sums stay in the node): no parameter or gradient bytes.
+            glob = [s for s in step if s["process_set"] == 0]
+            assert sum(s["bytes"] for s in glob) <= 64, glob
+            gathers = [s for s in step if s["op"] == "allgather"]
+            assert gathers and all(s["process_set"] == out["node_set"] for s in gathers), gathers
+
+
+def _save(path, shard_group, steps):
+    hvd.init()
+    model = mlp()
+    opt = _wrap(model, 2, shard_group=shard_group)
+    _train(model, opt, None, steps=steps)
+    hvd.zero.save_checkpoint(path, model, opt)
+    hvd.shutdown()
+
+
+def _resume(path, shard_group, steps, start):
+    hvd.init()
+    model = mlp(seed=123)
+    opt = _wrap(model, 2, shard_group=shard_group)
+    hvd.zero.load_checkpoint(path, model, opt)
+    _train(model, opt, None, steps=steps, start=start)
+    out = [w.tolist() for w in _weights(model, opt)]
+    hvd.barrier()
+    hvd.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("saved,loaded", [((4, "node"), (2, None)), ((2, None), (4, "node"))],
+                         ids=["hybrid-to-full", "full-to-hybrid"])
+def test_checkpoints_move_between_hybrid_and_full_sharding(tmp_path, saved, loaded):
+    path = str(tmp_path / "ckpt.pt")
+    env = functools.partial(_node_env, nodes=NODES, local=LOCAL)
+    res = launch(_save, saved[0], path, saved[1], 2, env=env if saved[1] else None, timeout=180)
+    assert all(s == "ok" for s, _ in res.values()), res
+    res = launch(_resume, loaded[0], path, loaded[1], 2, 2, env=env if loaded[1] else None, timeout=180)
+    assert all(s == "ok" for s, _ in res.values()), res
+    ref, _ = train_reference(1, None, steps=4)
+    for r in range(loaded[0]):
+        for w, q in zip(res[r][1], ref.parameters()):
+            assert rel_err(torch.tensor(w, dtype=torch.float64), q) < 1e-5
