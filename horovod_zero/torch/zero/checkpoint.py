@@ -11,7 +11,6 @@ import os
 import torch
 
 from horovod_zero.torch import mpi_ops
-from horovod_zero.torch.basics import rank
 from horovod_zero.torch.functions import broadcast_object
 from horovod_zero.torch.zero import compat
 
@@ -42,7 +41,7 @@ def _consolidated(model, opt):
             else:
                 entry[key] = value.cpu() if torch.is_tensor(value) else value
         state[s.name] = entry
-    if rank() != 0:
+    if not opt._storage.scope.is_root():
         return None
     others = {}
     if model is not None:
@@ -98,12 +97,12 @@ def _not_consolidated(state, source):
     return None
 
 
-def _share_structure(state, source, failure=None):
+def _share_structure(state, source, scope, failure=None):
     """Rank 0's state without its tensors, on every rank, plus (rank 0 only) the
     tensors. Rank 0 sends either the structure or why it has none (`failure` while
     reading `source`, or a state that is no checkpoint); then every rank raises."""
     tensors = []
-    if rank() == 0:
+    if scope.is_root():
         problem = (f"reading {source} failed with {type(failure).__name__}: {failure}" if failure is not None
                    else _not_consolidated(state, source))
         if problem is None:
@@ -113,14 +112,14 @@ def _share_structure(state, source, failure=None):
             payload = {"error": problem}
     else:
         payload = None
-    payload = broadcast_object(payload, root_rank=0, name="zero.ckpt.structure")
+    payload = broadcast_object(payload, root_rank=scope.root, name="zero.ckpt.structure", process_set=scope.process_set)
     if "error" in payload:
         raise RuntimeError(f"Rank 0 could not load the checkpoint, so no rank loads it: {payload['error']}") \
             from failure
     return payload["structure"], tensors
 
 
-def _fill(skeleton, tensors, device):
+def _fill(skeleton, tensors, device, scope):
     """The structure with its tensors: rank 0's, each sent by a broadcast of its own,
     so no rank pickles or holds the whole state."""
     counter = itertools.count()
@@ -128,11 +127,11 @@ def _fill(skeleton, tensors, device):
     def fill(x):
         if isinstance(x, _TensorSlot):
             i = next(counter)
-            if rank() == 0:
+            if scope.is_root():
                 t = tensors[i].to(device).contiguous()
             else:
                 t = torch.empty(x.shape, dtype=x.dtype, device=device)
-            mpi_ops.broadcast_(t, 0, name=f"zero.ckpt.tensor.{i}")
+            mpi_ops.broadcast_(t, scope.root, name=f"zero.ckpt.tensor.{i}", process_set=scope.process_set)
             return t.cpu()
         if isinstance(x, dict):
             return {k: fill(v) for k, v in x.items()}
@@ -179,9 +178,9 @@ def _load(state, model, opt, source, failure=None):
 
 
 def _load_into(state, model, opt, source, failure):
-    skeleton, tensors = _share_structure(state, source, failure)
+    skeleton, tensors = _share_structure(state, source, opt._storage.scope, failure)
     order = _check_fits(skeleton, opt)
-    state = _fill(skeleton, tensors, opt._device)
+    state = _fill(skeleton, tensors, opt._device, opt._storage.scope)
     inner = opt.optimizer
     model_state, opt_state = state["model"], state["optimizer"]
     r = opt._rank
@@ -221,15 +220,15 @@ def save_checkpoint(path, model, opt):
     """Writes the consolidated state to `path` from rank 0, atomically: a temporary
     file in the same folder, flushed, then renamed over `path`."""
     state = consolidated_state_dict(model, opt)
-    failure = None
-    if rank() == 0:
+    failure, scope = None, opt._storage.scope
+    if scope.is_root():
         try:
             _write(path, state)
         except Exception as e:  # every rank must hear of it, not wait for rank 0
             failure = e
     # Also the barrier: no rank returns before the file is in place.
-    problem = broadcast_object(None if failure is None else f"{type(failure).__name__}: {failure}", root_rank=0,
-                               name="zero.ckpt.saved")
+    problem = broadcast_object(None if failure is None else f"{type(failure).__name__}: {failure}",
+                               root_rank=scope.root, name="zero.ckpt.saved", process_set=scope.process_set)
     if problem is not None:
         raise RuntimeError(f"Rank 0 could not write the checkpoint {path!r}: {problem}") from failure
 
@@ -246,7 +245,7 @@ def _write(path, state):
 def load_checkpoint(path, model, opt):
     """Reads a checkpoint written by save_checkpoint (by a job of any size)."""
     state, failure = None, None
-    if rank() == 0:
+    if opt._storage.scope.is_root():
         try:
             state = torch.load(path, map_location="cpu", weights_only=False)
         except Exception as e:  # sent to every rank, which then all raise

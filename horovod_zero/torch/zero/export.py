@@ -11,7 +11,6 @@ import struct
 import torch
 
 from horovod_zero.torch import mpi_ops
-from horovod_zero.torch.basics import rank
 from horovod_zero.torch.functions import broadcast_object
 
 _CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -57,7 +56,8 @@ def save_model(path, model, opt):
 def _save_model(path, model, opt):
     entries = _entries(model, opt)
     tmp, f, failure = f"{path}.tmp.{os.getpid()}", None, None
-    if rank() == 0:
+    scope = opt._storage.scope
+    if scope.is_root():
         try:
             f = open(tmp, "wb")
             head = _header(entries)
@@ -87,8 +87,8 @@ def _save_model(path, model, opt):
             failure = failure or e
         if failure is not None and os.path.exists(tmp):
             os.remove(tmp)
-    problem = broadcast_object(None if failure is None else f"{type(failure).__name__}: {failure}", root_rank=0,
-                               name="zero.export.saved")
+    problem = broadcast_object(None if failure is None else f"{type(failure).__name__}: {failure}",
+                               root_rank=scope.root, name="zero.export.saved", process_set=scope.process_set)
     if problem is not None:
         raise RuntimeError(f"Rank 0 could not write the model to {path!r}: {problem}") from failure
 

@@ -24,15 +24,41 @@ from horovod_zero.torch.process_sets import ProcessSet, _add
 
 
 @dataclass(frozen=True)
+class Scope:
+    """The ranks an optimizer spans (every rank, or one process set's) and its first
+    rank (a job rank): the one that writes checkpoints and roots their broadcasts."""
+    process_set: Optional[ProcessSet]  # None: the global set
+    root: int
+
+    def is_root(self) -> bool:
+        return basics.rank() == self.root
+
+
+@dataclass(frozen=True)
 class ShardGroups:
     rank: int                      # this rank's place among the ranks sharing its shards
     size: int                      # how many ranks one parameter is split over
     shard_set: Optional[ProcessSet]  # None: the global set (full sharding)
     cross_set: Optional[ProcessSet]  # None: no replicas to average over
+    scope: Scope = Scope(None, 0)
 
 
 def full_sharding() -> ShardGroups:
     return ShardGroups(basics.rank(), basics.size(), None, None)
+
+
+def set_sharding(process_set) -> ShardGroups:
+    """Full sharding over one registered process set's ranks (process_set=)."""
+    if not isinstance(process_set, ProcessSet) or process_set.process_set_id is None:
+        raise ValueError(f"process_set={process_set!r}: pass a registered hvd.ProcessSet (hvd.init(process_sets=[...]) "
+                         "or hvd.add_process_set()).")
+    if process_set.process_set_id == 0:
+        return full_sharding()
+    if not process_set.included():
+        raise ValueError(f"This rank ({basics.rank()}) is not in {process_set}: only its ranks build an optimizer "
+                         "over it.")
+    return ShardGroups(process_set.rank(), process_set.size(), process_set, None,
+                       Scope(process_set, process_set.ranks[0]))
 
 
 def _registered(ranks):

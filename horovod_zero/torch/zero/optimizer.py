@@ -100,7 +100,7 @@ class DistributedZeroOptimizer:
     def __init__(self, optimizer, model=None, named_parameters=None, stage=2, param_dtype=None,
                  reduce_dtype=None, backward_passes_per_step=1, loss_scaler=None, overlap_param_gather=False,
                  cast_forward_inputs=True, units=None, reshard_after_forward=True, offload_optimizer=None,
-                 nvme_path=None, offload_params=None, overlap_step=False, shard_group=None):
+                 nvme_path=None, offload_params=None, overlap_step=False, shard_group=None, process_set=None):
         _check_stage_args(stage, model, units, overlap_param_gather)
         if loss_scaler is None and param_dtype == torch.float16:
             loss_scaler = LossScaler()
@@ -118,7 +118,12 @@ class DistributedZeroOptimizer:
         if shard_group not in (None, "world", "node"):
             raise ValueError(f"shard_group={shard_group!r}: use None (shard over every rank) or 'node' (shard "
                              "within each node, replicate across nodes).")
-        groups = hybrid.node_sharding() if shard_group == "node" else hybrid.full_sharding()
+        if process_set is not None and shard_group == "node":
+            raise ValueError("process_set= with shard_group='node' is not supported: hybrid sharding spans the job.")
+        if shard_group == "node":
+            groups = hybrid.node_sharding()
+        else:
+            groups = hybrid.set_sharding(process_set) if process_set is not None else hybrid.full_sharding()
         self._size, self._rank = groups.size, groups.rank
         self._names = check_names(optimizer, model, named_parameters)
         self._model = weakref.ref(model) if model is not None else None
@@ -127,6 +132,7 @@ class DistributedZeroOptimizer:
         self._storage = ShardedStorage(self._rank, self._size, device, offload.master_device(device), param_dtype,
                                        self.config, sharded_params=stage == 3)
         self._storage.shard_set, self._storage.cross_set = groups.shard_set, groups.cross_set
+        self._storage.scope = groups.scope
         self._reducer = GradReducer(self._storage, stage >= 2, backward_passes_per_step, reduce_dtype,
                                     self.config.bucket_bytes)
         self._gatherer = ParamGatherer(self._storage, self.config.downcast)
@@ -324,7 +330,8 @@ class DistributedZeroOptimizer:
         grads = self._grads()
         finite = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
         local = (~finite).float().reshape(1).to(self._device)
-        return bool(mpi_ops.allreduce(local, op=mpi_ops.Max, name="zero.found_inf").item())
+        return bool(mpi_ops.allreduce(local, op=mpi_ops.Max, name="zero.found_inf",
+                                      process_set=self._storage.scope.process_set).item())
 
     def _gather_params(self, wait=True, from_step=False):
         """Allgathers the master shards into the parameters. wait=False leaves the

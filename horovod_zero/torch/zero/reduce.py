@@ -193,7 +193,8 @@ class GradReducer:
         # not Gloo's TCP pairs (~1 ms an op on an 8-GPU host).
         had = torch.tensor([1.0 if self._had_grad.get(s.index) else 0.0 for s, _ in trained],
                            device=self._storage.param_device)
-        return [f > 0 for f in mpi_ops.allreduce(had, op=mpi_ops.Max, name="zero.had_grad").tolist()]
+        had = mpi_ops.allreduce(had, op=mpi_ops.Max, name="zero.had_grad", process_set=self._storage.scope.process_set)
+        return [f > 0 for f in had.tolist()]
 
     @contextlib.contextmanager
     def coalesce(self):

@@ -29,6 +29,7 @@ class ShardedStorage:
         # Which ranks share this rank's shards (hybrid.py): the set that reduce-scatters and
         # gathers them, and the set that averages the replicas. None: the global set, none.
         self.shard_set, self.cross_set = None, None
+        self.scope = None  # hybrid.Scope: every rank, or process_set='s
         # Indexed by shard index (the parameter's position in the optimizer's order).
         self.shards, self.params, self.stores, self.master_params = [], [], [], []
         self.master, self.plan = [], []  # per param group: flat fp32 buffer, its ParamShards
@@ -46,7 +47,7 @@ class ShardedStorage:
         for g, group in enumerate(groups, first):
             plan.append(plan_group(group["params"], names, self.size, g, index + sum(map(len, plan))))
         shards = [s for g in plan for s in g]
-        _broadcast_initial_values(shards, params)
+        _broadcast_initial_values(shards, params, self.scope.process_set, self.scope.root)
         chunk = self._init_chunk(shards, params)
         self.init_path = "device" if chunk is None else f"chunked ({chunk} elements)"
         for group, group_shards in zip(groups, plan):
@@ -137,14 +138,15 @@ class ShardedStorage:
         return self.shards[i].numel == 0 or p.data_ptr() == store.data_ptr()
 
 
-def _broadcast_initial_values(shards, params):
+def _broadcast_initial_values(shards, params, process_set, root):
     """Every rank starts from rank 0's values, as DDP does at construction. The fp32
     master shards are built from them, so a broadcast_parameters() after wrapping
     (which would reach the parameters but not the masters) changes nothing."""
     with torch.no_grad():
-        handles = [mpi_ops.broadcast_async_(p.data, 0, name=f"zero.init.{s.index}")
+        handles = [mpi_ops.broadcast_async_(p.data, root, name=f"zero.init.{s.index}", process_set=process_set)
                    for s, p in zip(shards, params) if p.is_contiguous()]
         mpi_ops.synchronize(handles)
         for s, p in zip(shards, params):
             if not p.is_contiguous():
-                p.data = mpi_ops.broadcast(p.data.contiguous(), 0, name=f"zero.init.{s.index}")
+                p.data = mpi_ops.broadcast(p.data.contiguous(), root, name=f"zero.init.{s.index}",
+                                           process_set=process_set)

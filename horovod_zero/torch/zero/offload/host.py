@@ -114,7 +114,8 @@ class HostOffload:
         self.grads_arrived()
         bad = any(not bool(torch.isfinite(g).all()) for g in self._present())
         local = torch.tensor([1.0 if bad else 0.0])
-        return bool(mpi_ops.allreduce(local, op=mpi_ops.Max, name="zero.offload.found_inf").item())
+        return bool(mpi_ops.allreduce(local, op=mpi_ops.Max, name="zero.offload.found_inf",
+                                      process_set=self._st.scope.process_set).item())
 
     # --- the step --------------------------------------------------------------
 
