@@ -53,6 +53,8 @@ def main():
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--batch", type=int, default=16, help="global batch size")
     ap.add_argument("--bf16", action="store_true", help="bf16 parameters, fp32 master shards")
+    ap.add_argument("--offload", choices=["cpu", "nvme"], help="optimizer state in host memory, or in files")
+    ap.add_argument("--nvme-path", default=None, help="directory for --offload nvme (a local disk)")
     args = ap.parse_args()
 
     hvd.init()
@@ -62,7 +64,8 @@ def main():
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     opt = hvd.DistributedZeroOptimizer(opt, model=model, stage=args.stage,
-                                       param_dtype=torch.bfloat16 if args.bf16 else None)
+                                       param_dtype=torch.bfloat16 if args.bf16 else None,
+                                       offload_optimizer=args.offload, nvme_path=args.nvme_path)
     local = args.batch // hvd.size()
     t0 = time.time()
     for step in range(args.steps):
