@@ -4,6 +4,7 @@ in buckets; stage 1, a coalescing block, and backward_passes_per_step=N wait so
 that each parameter is reduced once per step. A full gradient is dropped from the
 parameter when it is taken; the runtime frees it once its collective is done."""
 
+import collections
 import contextlib
 
 import torch
@@ -33,7 +34,8 @@ class GradReducer:
         # under the rest of backward.
         self.sink = None
         self._done = {}  # shard index -> outputs of reductions already finished this step
-        self._sunk = {}  # shard index -> how many of them the sink has taken
+        self._undrained = collections.deque()  # shard indices submitted, in order, not yet drained
+        self._sunk = set()  # shard indices whose first reduction the sink took early
 
     @property
     def busy(self):
@@ -67,13 +69,19 @@ class GradReducer:
             self._drain()  # with hybrid sharding a shard is final only after its cross-node average
 
     def _drain(self):
-        """Hands the sink the reductions that have finished (in submission order)."""
-        for index, handles in self._pending.items():
+        """Hands the sink the reductions that have finished, in submission order. Stops at
+        the first one still running (they finish in order), so a flush polls few handles."""
+        while self._undrained:
+            index = self._undrained[0]
+            handles = self._pending[index]
             while handles and mpi_ops.poll(handles[0]):
                 self._done.setdefault(index, []).append(mpi_ops.synchronize(handles.pop(0)))
-            done = self._done.get(index, ())
-            if not handles and len(done) == 1 and self._had_grad.get(index) and index not in self._sunk:
-                self._sunk[index] = 1
+            if handles:
+                return
+            self._undrained.popleft()
+            done = self._done[index]
+            if len(done) == 1 and self._had_grad.get(index) and index not in self._sunk:
+                self._sunk.add(index)
                 self.sink.take_grad(self._storage.shards[index], done, early=True)
 
     def _take(self, s, p):
@@ -100,8 +108,9 @@ class GradReducer:
         # The k-th reduction of a parameter in a step has its own name: every rank
         # runs the same backward passes, so the names agree.
         names, seen = [], {}
+        one_reduction = getattr(self.sink, "one_reduction", False)
         for s, _, _ in taken:
-            if getattr(self.sink, "one_reduction", False) and (s.index in self._pending or s.index in seen):
+            if one_reduction and (s.index in self._pending or s.index in seen):
                 raise RuntimeError(
                     f"Parameter '{s.name}' was reduced a second time in one step, but overlap_step=True steps each "
                     "parameter with its first reduced gradient. Run one backward per step, or accumulate with "
@@ -114,6 +123,8 @@ class GradReducer:
                                    process_set=self._storage.shard_set)
         for h, (s, _, _) in zip(handles, taken):
             self._pending.setdefault(s.index, []).append(h)
+        if self.sink is not None:
+            self._undrained.extend(s.index for s, _, _ in taken)
 
     def _trained(self):
         st = self._storage
@@ -136,15 +147,17 @@ class GradReducer:
         masters = self._storage.master_params
         if self.sink is not None:
             self.sink.scale = unscale
-        across = self._average_across_nodes(trained, had)
+        # One output per reduction this step.
+        outputs = {s.index: self._done.pop(s.index, []) + [mpi_ops.synchronize(h) for h in self._pending.get(s.index, ())]
+                   for s, _ in trained}
+        if self._storage.cross_set is not None:
+            self._average_across_nodes(trained, had, outputs)
         for (s, _), flag in zip(trained, had):
-            # One output per reduction this step.
-            outs = across.get(s.index) or (self._done.pop(s.index, []) +
-                                            [mpi_ops.synchronize(h) for h in self._pending.get(s.index, ())])
+            outs = outputs[s.index]
             if self.sink is not None:
                 if not flag:
                     self.sink.no_grad(s)
-                elif self._sunk.get(s.index) != len(outs):
+                elif s.index not in self._sunk or len(outs) > 1:
                     self.sink.take_grad(s, outs, early=False)
                 continue
             if not flag:
@@ -160,30 +173,24 @@ class GradReducer:
             masters[s.index].grad = g
         self._pending.clear()
         self._done.clear()
+        self._undrained.clear()
         self._sunk.clear()
         self._had_grad.clear()
         self._delay = [self._bpps] * len(self._storage.shards)
         self.reduced = True
 
-    def _average_across_nodes(self, trained, had):
-        """Hybrid sharding: each reduced shard averaged with its replicas on the other nodes
-        (one grouped allreduce in the cross set). {shard index: [output]}; {} otherwise."""
-        cross = self._storage.cross_set
-        if cross is None:
-            return {}
-        items = []
-        for (s, _), flag in zip(trained, had):
-            outs = self._done.pop(s.index, []) + [mpi_ops.synchronize(h) for h in self._pending.pop(s.index, ())]
-            if flag:
-                total = outs[0]
-                for o in outs[1:]:
-                    total = total + o
-                items.append((s, total))
-        handles = mpi_ops._enqueue(_core.OP_ALLREDUCE, [t for _, t in items], [t for _, t in items],
-                                   [f"zero.cross.{s.index}" for s, _ in items], mpi_ops.Average,
-                                   process_set=cross) if items else []
-        mpi_ops.synchronize(handles)
-        return {s.index: [t] for s, t in items}
+    def _average_across_nodes(self, trained, had, outputs):
+        """Hybrid sharding: each reduced shard (its reductions summed) averaged with its
+        replicas on the other nodes, by one grouped allreduce in the cross set; replaces
+        `outputs` of those shards with the one result."""
+        items = [(s, sum(outputs[s.index][1:], outputs[s.index][0])) for (s, _), flag in zip(trained, had) if flag]
+        if not items:
+            return
+        tensors = [t for _, t in items]
+        mpi_ops.synchronize(mpi_ops._enqueue(_core.OP_ALLREDUCE, tensors, tensors,
+                                             [f"zero.cross.{s.index}" for s, _ in items], mpi_ops.Average,
+                                             process_set=self._storage.cross_set))
+        outputs.update((s.index, [t]) for s, t in items)
 
     def _had_grad_anywhere(self, trained):
         """Per trained parameter, whether any rank had a gradient for it this step."""

@@ -2,6 +2,7 @@
 into the gradient reducer and the gatherer, and runs the host step."""
 
 import contextlib
+import weakref
 
 from horovod_zero.torch.zero.offload.host import HostOffload
 from horovod_zero.torch.zero.offload.overlap import OverlapSink
@@ -20,7 +21,10 @@ class Offload:
         if options.overlap_step and not self.host.stepper.fast:
             raise ValueError(f"overlap_step=True needs torch.optim.Adam or AdamW, which the C++ CPU Adam steps; "
                              f"{type(optimizer).__name__} is stepped by torch after backward. Use overlap_step=False.")
-        self.sink = OverlapSink(self.host, storage) if options.overlap_step else None
+        self.sink = OverlapSink(self.host) if options.overlap_step else None
+        if self.sink is not None:
+            # The worker thread holds the sink (and so the host shards) until told to end.
+            weakref.finalize(self, self.sink.close)
         reducer.sink = self.sink if self.sink is not None else self.host
         gatherer.source = self.host.source
 

@@ -96,9 +96,8 @@ class HostOffload:
 
     # --- norms and overflow: host tensors, so Gloo ---------------------------------
 
-    def _present(self, indices=None):
-        idx = self.grads if indices is None else indices
-        return [self.grads[i] for i in idx if self.grads.get(i) is not None]
+    def _present(self):
+        return [g for g in self.grads.values() if g is not None]
 
     def norm(self):
         """The global L2 norm of this step's gradients (times the pending factor)."""

@@ -27,9 +27,8 @@ from horovod_zero.torch.zero.offload.host import HostOffload
 class OverlapSink:
     """The GradReducer's sink with overlap_step=True: HostOffload plus the worker."""
 
-    def __init__(self, host: HostOffload, storage):
+    def __init__(self, host: HostOffload):
         self.host = host
-        self._st = storage
         self._lock = threading.Condition()
         self._queue, self._submitted, self._finished, self._counted = [], 0, 0, 0
         self._error = None
