@@ -9,6 +9,13 @@ max_memory_allocated over ranks. Gradients are reduced in bf16 by every system u
     torchrun --nproc_per_node=8 examples/bench_zero.py --micro-batch 4
     torchrun --nproc_per_node=8 examples/bench_zero.py --modes fsdp2+reshard,zero3,deepspeed3 --extras ""
     torchrun --nproc_per_node=2 examples/bench_zero.py --tiny     # smoke test, CPU too (no DeepSpeed)
+    torchrun --nproc_per_node=4 examples/bench_zero.py --sim-nodes 2 --modes zero3,zero3+hybrid,fsdp2+reshard,fsdp2+hsdp
+
+A mode may carry environment settings for its optimizer: zero3@HOROVOD_ZERO_PREFETCH=2.
+--sim-nodes N splits the ranks into N simulated nodes (each sees only its own GPUs, as on
+real nodes) for hybrid sharding: zero2+hybrid and zero3+hybrid (shard_group="node") and
+FSDP2's HSDP (fsdp2+hsdp: a (nodes, local) mesh, reshard_after_forward=True). Their lines give
+the bytes each step sent in the node sets, the cross-node sets and the global set.
 """
 
 import argparse
@@ -89,12 +96,17 @@ def phase_peaks(forward, backward, update):
     return out
 
 
-def fsdp2(model, reshard, reduce_dtype):
+def fsdp2(model, reshard, reduce_dtype, hsdp=False):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+    mesh = None
+    if hsdp:  # replicate across nodes, shard inside each
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (hvd.size() // hvd.local_size(), hvd.local_size()),
+                                mesh_dim_names=("replicate", "shard"))
     for b in model.blocks:
-        fully_shard(b, reshard_after_forward=reshard, mp_policy=mp)
-    fully_shard(model, reshard_after_forward=reshard, mp_policy=mp)
+        fully_shard(b, reshard_after_forward=reshard, mp_policy=mp, mesh=mesh)
+    fully_shard(model, reshard_after_forward=reshard, mp_policy=mp, mesh=mesh)
     return torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
 
 
@@ -111,8 +123,46 @@ def deepspeed3(model, micro, reduce_dtype):
     return engine
 
 
+@contextlib.contextmanager
+def mode_env(mode):
+    """The optimizer settings a mode carries after '@' (zero3@HOROVOD_ZERO_PREFETCH=2@...),
+    set while it runs."""
+    pairs = [kv.split("=", 1) for kv in mode.split("@")[1:]]
+    saved = {k: os.environ.get(k) for k, _ in pairs}
+    os.environ.update(dict(pairs))
+    try:
+        yield mode.split("@")[0]
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def bytes_by_set(stats, opt, steps):
+    """MiB per step that horovod_zero's collectives carried (each rank's payload), by kind
+    of process set: hybrid's node sets stay inside a node, its cross sets cross nodes, and
+    the global set spans every rank."""
+    storage = getattr(opt, "_storage", None)
+    node = getattr(getattr(storage, "shard_set", None), "process_set_id", None)
+    cross = getattr(getattr(storage, "cross_set", None), "process_set_id", None)
+    split = {"node": 0, "cross": 0, "global": 0}
+    for s in stats:
+        # one rank per node: the cross set is the global set, and what it carries crosses nodes
+        kind = "node" if s["process_set"] == node and cross is not None else \
+            "cross" if s["process_set"] == cross else "global"
+        split[kind] += s["bytes"]
+    return {k: v / steps / 2**20 for k, v in split.items()}
+
+
 def bench_mode(mode, cfg, micro, steps, dev, profile_dir=None, profile_modes=(), phases=False,
                reduce_dtype=torch.bfloat16):
+    with mode_env(mode) as base:
+        return _bench_mode(base, cfg, micro, steps, dev, profile_dir, profile_modes, phases, reduce_dtype)
+
+
+def _bench_mode(mode, cfg, micro, steps, dev, profile_dir, profile_modes, phases, reduce_dtype):
     release_memory()
     model = build(cfg, dev)
     g = torch.Generator(device="cpu").manual_seed(hvd.rank())
@@ -123,15 +173,16 @@ def bench_mode(mode, cfg, micro, steps, dev, profile_dir=None, profile_modes=(),
     if mode == "ddp":
         net = torch.nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.AdamW(net.parameters(), lr=1e-4, weight_decay=0.1)
-    elif mode in ("fsdp2", "fsdp2+reshard"):
-        opt = fsdp2(model, mode.endswith("+reshard"), reduce_dtype)
+    elif mode in ("fsdp2", "fsdp2+reshard", "fsdp2+hsdp"):
+        opt = fsdp2(model, mode != "fsdp2", reduce_dtype, hsdp=mode == "fsdp2+hsdp")
     elif mode == "deepspeed3":
         net = opt = deepspeed3(model, micro, reduce_dtype)  # the engine steps and zeroes
-    else:  # zero1, zero2, zero2+overlap (the allgather overlapped with the next forward), zero3
+    else:  # zero1, zero2, zero2+overlap (the allgather overlapped with the next forward), zero3, +hybrid
         stage = int(mode.split("+")[0][-1])
         opt = hvd.DistributedZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1),
                                            model=model, stage=stage, param_dtype=torch.bfloat16,
-                                           overlap_param_gather=mode.endswith("+overlap"))
+                                           overlap_param_gather=mode.endswith("+overlap"),
+                                           shard_group="node" if mode.endswith("+hybrid") else None)
 
     def forward():
         with amp:
@@ -152,8 +203,10 @@ def bench_mode(mode, cfg, micro, steps, dev, profile_dir=None, profile_modes=(),
     # counted for any mode; the first step's lazy allocations are).
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    hvd.collective_stats(reset=True)
     t = run_steps(step, steps)
-    out = (t, micro * cfg["seq"] / t, peak_gib(), phase_peaks(forward, backward, update) if phases else None)
+    links = bytes_by_set(hvd.collective_stats(), opt, steps + 3) if mode.startswith("zero") else None
+    out = (t, micro * cfg["seq"] / t, peak_gib(), phase_peaks(forward, backward, update) if phases else None, links)
     if profile_dir and mode in profile_modes:  # every rank steps; rank 0 writes
         profile_steps(step, os.path.join(profile_dir, f"profile_{mode.replace('+', '_')}.txt") if hvd.rank() == 0 else None)
     del model, opt, net
@@ -189,7 +242,7 @@ def bench_downcast(cfg, micro, steps, dev):
     for mode in ("1", "0"):
         os.environ["HOROVOD_ZERO_DOWNCAST"] = mode
         hvd.collective_stats(reset=True)
-        t, _, _, _ = bench_mode("zero2", cfg, micro, steps, dev)
+        t, _, _, _, _ = bench_mode("zero2", cfg, micro, steps, dev)
         gathered = sum(s["bytes"] for s in hvd.collective_stats() if s["op"] == "allgather")
         rows.append((mode, t, gathered / (steps + 3)))
     os.environ.pop("HOROVOD_ZERO_DOWNCAST", None)
@@ -214,6 +267,19 @@ def bench_init(cfg, dev):
     return rows
 
 
+def simulate_nodes(nodes):
+    """torchrun's node variables for `nodes` simulated nodes of consecutive ranks, each
+    seeing only its own GPUs; before anything touches CUDA."""
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if size % nodes:
+        raise SystemExit(f"--sim-nodes {nodes} does not divide {size} ranks")
+    local = size // nodes
+    node = rank // local
+    os.environ.update(LOCAL_RANK=str(rank % local), LOCAL_WORLD_SIZE=str(local), GROUP_RANK=str(node))
+    if os.environ.get("CUDA_VISIBLE_DEVICES") is None:  # torch must not have counted GPUs yet
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(node * local + i) for i in range(local))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true", help="a tiny model: a smoke test that runs on CPU too")
@@ -226,7 +292,10 @@ def main():
     ap.add_argument("--phases", action="store_true", help="peak memory per phase of one extra step")
     ap.add_argument("--profile", default="", help="modes to profile after timing (e.g. zero2,fsdp2)")
     ap.add_argument("--profile-dir", default=os.environ.get("OUT", "."), help="where rank 0 writes the profiles")
+    ap.add_argument("--sim-nodes", type=int, default=0, help="split the ranks into this many simulated nodes")
     args = ap.parse_args()
+    if args.sim_nodes:
+        simulate_nodes(args.sim_nodes)
     hvd.init()
     dev = hvd.device()
     if dev.type == "cuda":
@@ -242,9 +311,11 @@ def main():
         if mode == "deepspeed3" and (dev.type != "cuda" or importlib.util.find_spec("deepspeed") is None):
             lines.append(f"{mode:13s} skipped: needs CUDA and `pip install deepspeed`")
             continue
-        t, tok, peak, phases = bench_mode(mode, cfg, args.micro_batch, args.steps, dev, args.profile_dir,
-                                          args.profile.split(","), args.phases, reduce_dtype)
-        lines.append(f"{mode:13s} step {t*1e3:9.1f} ms  {tok:10.0f} tokens/s/GPU  peak {peak:6.2f} GiB")
+        t, tok, peak, phases, links = bench_mode(mode, cfg, args.micro_batch, args.steps, dev, args.profile_dir,
+                                                 args.profile.split(","), args.phases, reduce_dtype)
+        wire = ("  MiB/step: " + ", ".join(f"{k} sets {v:.1f}" if k != "global" else f"global set {v:.1f}"
+                                          for k, v in links.items() if v or k == "global")) if links else ""
+        lines.append(f"{mode:13s} step {t*1e3:9.1f} ms  {tok:10.0f} tokens/s/GPU  peak {peak:6.2f} GiB{wire}")
         if phases:
             lines.append("    " + ", ".join(f"{ph} peak {pk:.2f} held {held:.2f}" for ph, pk, held in phases))
     extras = args.extras.split(",") if args.extras else []

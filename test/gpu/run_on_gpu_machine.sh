@@ -3,6 +3,8 @@
 # from source, run the GPU tests, then the collective benchmarks on every GPU
 # (BENCH=0 skips them) and the ZeRO benchmark runs listed in ZERO_BENCH.
 # CPU_ONLY_BUILD=1 then rebuilds without CUDA and checks that it refuses CUDA tensors.
+# SKIP_BUILD=1 uses the build a warm machine kept from an earlier call; SKIP_TESTS=1 skips the tests.
+# DeepSpeed (for bench_zero's deepspeed3) is set up from build/deps/deepspeed when it was carried.
 # Logs go to $OUT when it is set (the device tool's output folder).
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -18,14 +20,16 @@ free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",
 GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -2
 t0=$(date +%s)
+if [ "${SKIP_BUILD:-0}" != 1 ]; then
 rm -rf build/cmake
 # liburing for NVMe offload, where test/gpu/liburing_deps.sh left a copy (no apt here).
 if [ -d "$ROOT/build/deps/liburing" ]; then export HVDZ_LIBURING_ROOT=$ROOT/build/deps/liburing; fi
 HVDZ_CMAKE_ARGS="-DHVDZ_BUILD_TESTS=OFF -DHVDZ_CUDA=ON" HVDZ_BUILD_JOBS=$(nproc) python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"
+fi
 rc=0
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  (cd test && timeout 400 python3 -m pytest -q -ra gpu ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15) || rc=1
+  (cd test && timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -q -ra gpu ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15) || rc=1
 fi
 if [ "${BENCH:-1}" = 1 ]; then
   port=$(free_port)
@@ -46,6 +50,9 @@ if [ "${BENCH:-1}" = 1 ]; then
 fi
 # ZeRO benchmark runs, ';'-separated argument lists for examples/bench_zero.py.
 IFS=';' read -ra zero_runs <<< "${ZERO_BENCH:-}"
+if [ "${#zero_runs[@]}" -gt 0 ] && [ -f build/deps/deepspeed/VERSION ]; then
+  source test/gpu/deepspeed_env.sh || echo "DeepSpeed not set up: its modes are skipped"
+fi
 for i in "${!zero_runs[@]}"; do
   port=$(free_port)
   PYTHONPATH="$ROOT/examples:$PYTHONPATH" timeout "${ZERO_BENCH_TIMEOUT:-300}" \
