@@ -41,9 +41,11 @@ def _parity_on(device, prefetch, param_dtype):
 
 
 # bf16: the forward and backward run in bf16 and the gradients are reduced in bf16, the
-# masters and Adam in fp32; against the fp32 reference after 4 AdamW steps at lr 1e-2.
+# masters and Adam in fp32; against the fp32 reference after 4 AdamW steps at lr 1e-2 the
+# largest error seen was 0.8% on CPU ranks and 3.8% on H200s, in the LayerNorm bias, which
+# starts at zero (its error is relative to its updates alone).
 @pytest.mark.parametrize("prefetch,param_dtype,tol", [(1, None, 1e-5), (0, None, 1e-5), (2, None, 1e-5),
-                                                       (1, "bfloat16", 2e-2)],
+                                                       (1, "bfloat16", 6e-2)],
                          ids=["fp32-prefetch1", "fp32-prefetch0", "fp32-prefetch2", "bf16-prefetch1"])
 def test_stage3_on_cuda_matches_the_reference(gpus, prefetch, param_dtype, tol):
     trained = sorted(n for n, p in s3.Net().named_parameters() if p.requires_grad)
