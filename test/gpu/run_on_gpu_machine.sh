@@ -3,7 +3,8 @@
 # from source, run the GPU tests, then the collective benchmarks on every GPU
 # (BENCH=0 skips them) and the ZeRO benchmark runs listed in ZERO_BENCH.
 # CPU_ONLY_BUILD=1 then rebuilds without CUDA and checks that it refuses CUDA tensors.
-# SKIP_BUILD=1 uses the build a warm machine kept from an earlier call; SKIP_TESTS=1 skips the tests.
+# SKIP_BUILD=1 uses the build a warm machine kept from an earlier call; SKIP_TESTS=1 skips the tests,
+# GPU_TESTS names the test files to run (default: all of gpu/).
 # DeepSpeed (for bench_zero's deepspeed3) is set up from build/deps/deepspeed when it was carried.
 # Logs go to $OUT when it is set (the device tool's output folder).
 set -uo pipefail
@@ -29,7 +30,7 @@ echo "build: $(( $(date +%s) - t0 )) s"
 fi
 rc=0
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  (cd test && timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -q -ra gpu ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15) || rc=1
+  (cd test && timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -q -ra ${GPU_TESTS:-gpu} ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15) || rc=1
 fi
 if [ "${BENCH:-1}" = 1 ]; then
   port=$(free_port)
