@@ -204,6 +204,61 @@ def test_coalescing_at_stage3_holds_whole_gradients_until_the_block_exits(ranks)
         assert after["grads"] == 0, after  # handed to the reduce-scatters; the shards come at step()
 
 
+def _root_between_forward_and_backward(reshard_after_forward):
+    model = Net()
+    opt = stage3(model, reshard_after_forward=reshard_after_forward)
+    ids, target = batch(0)
+    loss = loss_of(model, local(ids), local(target), 0)
+    held = model.emb.weight.untyped_storage().nbytes()
+    loss.backward()  # fails unless backward gathered the root again
+    opt.step()
+    return held
+
+
+def test_reshard_after_forward_frees_the_root_until_backward(ranks):
+    # As FSDP2 does with its root: the loss (here, over logits the size of the vocabulary) is
+    # computed without the embedding and head gathered; backward gathers them again.
+    assert ranks.run(_root_between_forward_and_backward, True) == [0] * ranks.size
+    for held in ranks.run(_root_between_forward_and_backward, False):
+        assert held >= VOCAB * D * 4, held  # the whole (padded) fp32 embedding
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward sleeps: a unit's backward long enough for the reductions
+    submitted before it to finish."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        import time
+        time.sleep(0.3)
+        return g
+
+
+def _in_flight_after_backward():
+    model = Net()
+    for b in model.blocks:
+        b.register_forward_pre_hook(lambda m, args: (_SlowBackward.apply(args[0]),))
+    opt = stage3(model)
+    ids, target = batch(0)
+    loss_of(model, local(ids), local(target), 0).backward()
+    st, red = opt._storage, opt._reducer
+    in_flight = sorted(st.shards[i].name for i, hs in red._pending.items() if hs)
+    opt.step()
+    return in_flight
+
+
+def test_backward_lets_go_of_each_full_gradient_once_its_reduction_is_done(ranks):
+    # A handle keeps the full gradient it reduces until it is waited for: each unit's flush
+    # takes the finished ones, so at the end of backward only the last unit's (blocks.0)
+    # and the root's are still held, not every gradient of the model until step().
+    for in_flight in ranks.run(_in_flight_after_backward):
+        assert all(n.startswith(("blocks.0.", "emb.", "norm.")) for n in in_flight), in_flight
+
+
 # --- no full fp32 parameter -----------------------------------------------------------------
 
 def _full_fp32_tensors(downcast):
@@ -261,19 +316,20 @@ def _collectives(prefetch, reshard_after_forward=True):
 
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
 def test_each_unit_gather_is_one_collective(ranks, prefetch):
-    # Root (emb, norm: 3 tensors) once; each unit call (blocks 0, 1, 1, 2: 5 tensors each) in
-    # forward and again in backward.
+    # The root (emb, norm: 3 tensors) and each unit call (blocks 0, 1, 1, 2: 5 tensors each)
+    # in forward and again in backward: reshard_after_forward frees the root too, so that the
+    # loss is computed without it.
     for per_step in ranks.run(_collectives, prefetch):
-        assert all(t == 3 + 5 * 4 * 2 for _, t in per_step), per_step
+        assert all(t == (3 + 5 * 4) * 2 for _, t in per_step), per_step
         if prefetch == 0:  # nothing else in flight: one fused collective per grouped gather
-            assert all(c == 1 + 4 * 2 for c, _ in per_step), per_step
+            assert all(c == (1 + 4) * 2 for c, _ in per_step), per_step
         else:  # prefetched gathers may share a collective
-            assert all(c <= 1 + 4 * 2 for c, _ in per_step), per_step
+            assert all(c <= (1 + 4) * 2 for c, _ in per_step), per_step
 
 
 def test_without_reshard_after_forward_backward_gathers_less(ranks):
-    # Forward gathers blocks 0, 1 and 2 once each (the second call of block 1 finds it
-    # gathered); backward frees each unit after its backward, so only the first call of
-    # block 1 gathers again.
+    # Forward gathers the root and blocks 0, 1 and 2 once each (the second call of block 1
+    # finds it gathered), and the root stays gathered; backward frees each unit after its
+    # backward, so only the first call of block 1 gathers again.
     for per_step in ranks.run(_collectives, 0, False):
         assert all(t == 3 + 5 * 4 and c == 1 + 4 for c, t in per_step), per_step

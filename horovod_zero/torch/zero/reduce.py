@@ -20,9 +20,9 @@ class GradReducer:
         self._bpps = backward_passes_per_step
         self._reduce_dtype = reduce_dtype
         self._bucket_limit = bucket_bytes
-        # shard index -> [handle], one per reduction this step. The padded gradient copy is
-        # not kept here: the runtime holds it until its collective finishes, then frees it,
-        # so backward never holds more than the gradients still in flight.
+        # shard index -> [handle], one per reduction this step. A handle keeps the full
+        # gradient it reduces alive until it is waited for: _drain() waits for those
+        # finished at each flush, so backward holds only the gradients still in flight.
         self._pending = {}
         self._had_grad = {}  # shard index -> whether this rank had a gradient for it this step
         self._bucket, self._bucket_bytes = [], 0  # gradients taken, not yet submitted
@@ -65,12 +65,16 @@ class GradReducer:
     def flush(self):
         bucket, self._bucket, self._bucket_bytes = self._bucket, [], 0
         self._submit(bucket)
-        if self.sink is not None and self._storage.cross_set is None:
-            self._drain()  # with hybrid sharding a shard is final only after its cross-node average
+        self._drain()
 
     def _drain(self):
-        """Hands the sink the reductions that have finished, in submission order. Stops at
-        the first one still running (they finish in order), so a flush polls few handles."""
+        """Takes the outputs of the reductions that have finished, in submission order, so
+        that their handles let go of the full gradients they reduced: backward then holds
+        only the gradients still in flight. Stops at the first one still running (they
+        finish in order), so a flush polls few handles. Offload's sink gets each shard
+        here, except with hybrid sharding, where a shard is final only after its
+        cross-node average."""
+        early = self.sink is not None and self._storage.cross_set is None
         while self._undrained:
             index = self._undrained[0]
             handles = self._pending[index]
@@ -80,7 +84,7 @@ class GradReducer:
                 return
             self._undrained.popleft()
             done = self._done[index]
-            if len(done) == 1 and self._had_grad.get(index) and index not in self._sunk:
+            if early and len(done) == 1 and self._had_grad.get(index) and index not in self._sunk:
                 self._sunk.add(index)
                 self.sink.take_grad(self._storage.shards[index], done, early=True)
 
@@ -123,8 +127,7 @@ class GradReducer:
                                    process_set=self._storage.shard_set)
         for h, (s, _, _) in zip(handles, taken):
             self._pending.setdefault(s.index, []).append(h)
-        if self.sink is not None:
-            self._undrained.extend(s.index for s, _, _ in taken)
+        self._undrained.extend(s.index for s, _, _ in taken)
 
     def _trained(self):
         st = self._storage

@@ -4,8 +4,12 @@ next units in recorded order (order.py).
 
 [Note: stage 3 hooks]
 - Root (the model): its pre-forward hook gathers the parameters outside every
-  unit; they stay gathered until the end of backward (or the end of a forward
-  without grad).
+  unit. With reshard_after_forward (as FSDP2 does with its root) its post-forward
+  hook frees them and passes the model's outputs through _OnBackward, whose
+  backward gathers them again (with the first units of backward) once the loss's
+  backward reaches the model: the loss is computed without them. They then stay
+  gathered until the end of backward (without reshard_after_forward, from the
+  forward on; a forward without grad frees them at its end).
 - A unit's pre-forward hook issues its gather and the next HOROVOD_ZERO_PREFETCH
   units' (forward order), then waits for its own. Its post-forward hook frees
   it (reshard_after_forward=True, or always without grad) and passes its outputs
@@ -13,7 +17,7 @@ next units in recorded order (order.py).
   backward order) before any of the unit's backward runs. Its inputs pass through
   another _OnBackward, whose backward runs once the unit's backward has produced the
   input gradients: the unit is freed there and the gradient bucket flushed.
-- The first unit gathered in a backward queues a callback for the end of it,
+- The first unit (or root) gathered in a backward queues a callback for the end of it,
   which frees whatever is still gathered (units whose inputs needed no grad,
   gathers prefetched but not used, the root) and records the backward order.
 Every rank must run the same units in the same order, as with any collective."""
@@ -167,6 +171,18 @@ class Stage3:
         for u in self.units:  # prefetched, but this forward took another path
             if u.state is not State.RESHARDED and u.index not in self.forward_order.last:
                 self.reshard(u)
+        if not self._reshard_after_forward:
+            return None
+        through = _through(self.root_pre_backward, output)
+        if through is not None:  # else no backward reaches the model: the root stays gathered
+            self.reshard(self.root)
+        return through
+
+    def root_pre_backward(self):
+        self._queue_end_of_backward()
+        self.gather(self.root)
+        self._prefetch_next(self.backward_order)
+        self.wait(self.root)
 
     def pre_forward(self, unit, module, args, kwargs):
         if self.pinned:
@@ -188,10 +204,13 @@ class Stage3:
             return None
         return _through(functools.partial(self.pre_backward, unit), output)
 
-    def pre_backward(self, unit):
+    def _queue_end_of_backward(self):
         if not self._final_queued:
             self._final_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def pre_backward(self, unit):
+        self._queue_end_of_backward()
         self.backward_order.visit(unit.index)
         self.gather(unit)
         self._prefetch_next(self.backward_order)
