@@ -82,7 +82,9 @@ def _bucketed(bucket_bytes, passes):
     collectives, before_step = [], []
 
     def submitted_and_held():  # after the step's last backward pass, before step()
-        before_step.append((sum(len(h) for h in opt._reducer._pending.values()), len(opt._reducer._bucket)))
+        red = opt._reducer  # submitted: still running, or finished and taken at a flush
+        submitted = sum(len(h) for h in red._pending.values()) + sum(len(d) for d in red._done.values())
+        before_step.append((submitted, len(red._bucket)))
 
     for step in range(STEPS):
         hvd.collective_stats(reset=True)
