@@ -205,6 +205,33 @@ class PyRuntime {
     return out;
   }
 
+  // [Note: stream-ordered waits]
+  // Waits only until the op is queued on the GPU, then makes the caller's current stream
+  // on `device` wait for it there: the caller's later kernels read its outputs in order,
+  // and the CPU keeps running ahead of the GPU instead of waiting for the op to run.
+  // The handle stays valid: synchronize() still releases it and reports a later
+  // failure. An op already done (every CPU op) needs no wait; one that failed before
+  // launching raises here, its handle released.
+  void WaitStream(int64_t h, int device) {
+    constexpr std::chrono::milliseconds kSlice(50);
+    std::shared_ptr<void> event;
+    Status s;
+    while (true) {
+      bool ready = false;
+      {
+        py::gil_scoped_release nogil;
+        s = rt_->handles().WaitLaunchedUntil(h, std::chrono::steady_clock::now() + kSlice, &ready, &event);
+      }
+      if (ready) break;
+      if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+    }
+    if (!s.ok()) {
+      TakeOutput(h);
+      Check(s);
+    }
+    if (event) CurrentStreamWaitEvent(device, event.get());
+  }
+
   // Many handles for few releases of the GIL. Every handle is waited for and
   // released before the first failure (in order) is raised, so none is left behind;
   // an interrupt (Ctrl-C) releases none of them.
@@ -532,6 +559,7 @@ PYBIND11_MODULE(_core, m) {
       .def("remove_process_set", &PyRuntime::RemoveProcessSet, py::arg("id"))
       .def("join", &PyRuntime::Join, py::arg("device"))
       .def("wait", &PyRuntime::Wait)
+      .def("wait_stream", &PyRuntime::WaitStream)
       .def("wait_all", &PyRuntime::WaitAll)
       .def("poll", &PyRuntime::Poll)
       .def("shutdown", &PyRuntime::Shutdown)

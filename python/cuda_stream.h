@@ -16,4 +16,6 @@ std::shared_ptr<void> UseCudaStream(int device, void* stream);
 // Keeps the caching allocator from reusing `t`'s memory, once it is freed, before the
 // work queued on `stream` by then has run (torch's Tensor.record_stream).
 void RecordStream(const at::Tensor& t, void* stream);
+// Makes the current CUDA stream of `device` wait, on the GPU, for `event` (a cudaEvent_t).
+void CurrentStreamWaitEvent(int device, void* event);
 }

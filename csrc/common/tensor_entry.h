@@ -23,6 +23,9 @@ using OutputAllocator = std::function<Status(const std::vector<int64_t>& shape, 
 using DoneCallback = std::function<void(const Status&, std::shared_ptr<void> keepalive)>;
 // Alltoall: told, once negotiated, how many rows this rank receives from each rank.
 using SplitsCallback = std::function<void(const std::vector<int64_t>& received)>;
+// CUDA: told once the entry's work is queued on the GPU; its outputs are ready once
+// `event` (a cudaEvent_t, kept alive by the pointer) has completed.
+using LaunchedCallback = std::function<void(std::shared_ptr<void> event)>;
 
 struct TensorEntry {
   Request request;
@@ -33,6 +36,7 @@ struct TensorEntry {
   std::shared_ptr<void> ready_event;  // CUDA: recorded on the producer's stream at enqueue
   std::shared_ptr<void> keepalive;    // framework objects that must outlive the collective
   DoneCallback callback;             // set by Runtime::Enqueue: marks the entry's handle done
+  LaunchedCallback launched;         // set by Runtime::Enqueue for CUDA entries
   Clock::time_point enqueued;
 };
 

@@ -81,9 +81,16 @@ void CudaContext::Finish(std::vector<TensorEntry> entries, const Status& s) {
   const bool side = copies_.active();
   Status end = copies_.End(&last);
   InFlight f{nullptr, std::move(entries), s.ok() ? end : s, Clock::now(), {}};
-  Status rec = CudaStatus(cudaEventCreateWithFlags(&f.done, cudaEventDisableTiming), "cudaEventCreate");
-  if (rec.ok()) rec = CudaStatus(cudaEventRecord(f.done, last), "cudaEventRecord");
+  cudaEvent_t ev = nullptr;
+  Status rec = CudaStatus(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
+  if (ev != nullptr) f.done = std::shared_ptr<void>(ev, [](void* p) { cudaEventDestroy(static_cast<cudaEvent_t>(p)); });
+  if (rec.ok()) rec = CudaStatus(cudaEventRecord(ev, last), "cudaEventRecord");
   if (!rec.ok() && f.status.ok()) f.status = rec;
+  // A caller may now order its own stream after the event instead of waiting for the op
+  // to run; the handle keeps the event alive past the finalizer.
+  if (f.status.ok())
+    for (auto& e : f.entries)
+      if (e.launched) e.launched(f.done);
   // One stream: dropped now, see [Note: stream-ordered fusion buffer]. Three streams:
   // dropped by the finalizer once the op is done, see [Note: copy streams].
   if (side) f.buffers = std::move(op_buffers_);
@@ -99,7 +106,7 @@ Status CudaContext::WaitFor(const InFlight& f) {
   if (f.done == nullptr) return Status::OK();
   cudaSetDevice(comm_->device());
   while (true) {
-    cudaError_t q = cudaEventQuery(f.done);
+    cudaError_t q = cudaEventQuery(static_cast<cudaEvent_t>(f.done.get()));
     if (q == cudaSuccess) return Status::OK();
     if (q != cudaErrorNotReady) return CudaStatus(q, "cudaEventQuery");
     Status async = comm_->AsyncError();
@@ -134,7 +141,7 @@ void CudaContext::FinalizerLoop() {
     }
     Status s = f.status.ok() ? (broken_.ok() ? WaitFor(f) : broken_) : f.status;
     if (!s.ok() && s.type() == StatusType::kAborted) broken_ = s;
-    if (f.done) cudaEventDestroy(f.done);
+    f.done.reset();  // destroyed here unless a handle still holds it
     f.buffers.clear();  // before the callbacks: a synchronized op holds no buffer
     for (auto& e : f.entries) Complete(e, s);
   }

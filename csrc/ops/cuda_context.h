@@ -44,7 +44,7 @@ class CudaContext : public DeviceContext {
 
  private:
   struct InFlight {
-    cudaEvent_t done;
+    std::shared_ptr<void> done;  // the cudaEvent_t after the op's last write; shared with its handles
     std::vector<TensorEntry> entries;
     Status status;
     Clock::time_point launched;

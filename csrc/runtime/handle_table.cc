@@ -18,6 +18,7 @@ int64_t HandleTable::Allocate() {
 }
 
 void HandleTable::MarkDone(int64_t handle, const Status& s, std::shared_ptr<void> keepalive) {
+  std::shared_ptr<void> event;  // no longer needed by a waiter: dropped after the unlock
   {
     std::lock_guard<std::mutex> lk(mu_);
     auto it = states_.find(handle);
@@ -25,8 +26,37 @@ void HandleTable::MarkDone(int64_t handle, const Status& s, std::shared_ptr<void
     it->second.done = true;
     it->second.status = s;
     it->second.keepalive = std::move(keepalive);
+    event = std::move(it->second.event);
   }
   cv_.notify_all();
+}
+
+void HandleTable::MarkLaunched(int64_t handle, std::shared_ptr<void> event) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = states_.find(handle);
+    if (it == states_.end() || it->second.done) return;
+    it->second.event = std::move(event);
+  }
+  cv_.notify_all();
+}
+
+Status HandleTable::WaitLaunchedUntil(int64_t handle, std::chrono::steady_clock::time_point deadline, bool* ready,
+                                      std::shared_ptr<void>* event) {
+  std::unique_lock<std::mutex> lk(mu_);
+  *ready = true;
+  event->reset();
+  auto it = states_.find(handle);
+  if (it == states_.end()) return Unknown(handle);
+  *ready = cv_.wait_until(lk, deadline, [&] {
+    const State& s = states_.at(handle);
+    return s.done || s.event != nullptr;
+  });
+  if (!*ready) return Status::OK();
+  const State& s = states_.at(handle);
+  if (s.done) return s.status;
+  *event = s.event;
+  return Status::OK();
 }
 
 Status HandleTable::Poll(int64_t handle, bool* done) {

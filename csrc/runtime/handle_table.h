@@ -18,6 +18,8 @@ class HandleTable {
  public:
   int64_t Allocate();
   void MarkDone(int64_t handle, const Status& s, std::shared_ptr<void> keepalive);
+  // CUDA: the handle's op is queued on the GPU, and its outputs are ready after `event`.
+  void MarkLaunched(int64_t handle, std::shared_ptr<void> event);
   // Returns InvalidArgument for an unknown (or already released) handle.
   Status Poll(int64_t handle, bool* done);
   // Blocks until done; the handle stays valid until Release.
@@ -25,6 +27,11 @@ class HandleTable {
   // Waits until `deadline` at most: *done tells whether it finished (or is unknown,
   // which the returned status says); the handle stays valid until Release either way.
   Status WaitUntil(int64_t handle, std::chrono::steady_clock::time_point deadline, bool* done);
+  // Waits until `deadline` at most for the op to be launched or done (*ready tells
+  // which). *event is its launch event while it may still run on the GPU; null once
+  // it is done, or when it failed before launching (the returned status says why).
+  Status WaitLaunchedUntil(int64_t handle, std::chrono::steady_clock::time_point deadline, bool* ready,
+                           std::shared_ptr<void>* event);
   // Forgets the handle; returns its keepalive (null for an unknown handle).
   std::shared_ptr<void> Release(int64_t handle);
 
@@ -33,6 +40,7 @@ class HandleTable {
     bool done = false;
     Status status;
     std::shared_ptr<void> keepalive;
+    std::shared_ptr<void> event;  // set once launched (CUDA)
   };
   std::mutex mu_;
   std::condition_variable cv_;

@@ -91,6 +91,7 @@ Status Runtime::Enqueue(std::vector<TensorEntry> entries, void* cuda_stream, std
     e.enqueued = now;
     if (e.request.on_cuda()) e.ready_event = ready;
     e.callback = [this, h](const Status& s, std::shared_ptr<void> keep) { handles_.MarkDone(h, s, std::move(keep)); };
+    if (e.request.on_cuda()) e.launched = [this, h](std::shared_ptr<void> ev) { handles_.MarkLaunched(h, std::move(ev)); };
   }
   // A stopped runtime refuses everything: say which tensor was refused.
   const std::string first = entries.empty() ? std::string() : entries.front().request.name;

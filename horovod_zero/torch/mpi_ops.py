@@ -125,6 +125,17 @@ def synchronize(handle):
     return rt.wait(handle)
 
 
+def _wait_stream(handle, device):
+    """Orders the current CUDA stream of `device` after the op, on the GPU, without waiting
+    for it to run (a CPU op: waits until it is done). The handle stays valid:
+    synchronize() still releases it and reports a failure that comes later."""
+    index = -1
+    if device.type == "cuda":
+        import torch
+        index = device.index if device.index is not None else torch.cuda.current_device()
+    _runtime().wait_stream(handle, index)
+
+
 def poll(handle) -> bool:
     """True when the op behind the handle (every op, for a nested list) has finished."""
     rt = _runtime()

@@ -20,12 +20,14 @@ class ParamGatherer:
         # (offload/host.py); None gathers the master shards.
         self.source = None
         self._after = {}  # shard index -> (buffer, fp32 copy) to cast once gathered (downcast off)
+        self._ordered = {}  # shard index -> handle the stream waits for, not yet synchronized
 
     def gather(self, indices):
         """Enqueues the gathers of the master shards at `indices` into their buffers
         (at stage 3 allocating them first)."""
         st = self._storage
         self.wait(indices)  # one gather of a parameter in flight at a time: the names stay unique
+        self.release(indices)
         by_dtype = {}
         for i in indices:
             out = st.unshard(i) if st.sharded_params else st.stores[i]
@@ -46,16 +48,30 @@ class ParamGatherer:
                                        process_set=st.shard_set)
             self.in_flight.update({i: h for (i, _), h in zip(items, handles)})
 
-    def wait(self, indices=None):
-        """Waits for the gathers of `indices` (all when None) that are in flight."""
+    def wait(self, indices=None, stream_ordered=False):
+        """Waits for the gathers of `indices` (all when None) that are in flight.
+        `stream_ordered`: only orders the current stream after them (CUDA), so that the CPU
+        need not wait for them to run; release() synchronizes them later."""
         for i in list(self.in_flight) if indices is None else indices:
             h = self.in_flight.pop(i, None)
             if h is None:
+                continue
+            if stream_ordered and i not in self._after:
+                mpi_ops._wait_stream(h, self._storage.param_device)
+                self._ordered[i] = h
                 continue
             mpi_ops.synchronize(h)
             if i in self._after:
                 out, full = self._after.pop(i)
                 out.copy_(full)
+
+    def release(self, indices=None):
+        """Synchronizes the gathers that wait() only ordered the stream after: releases
+        their handles and raises if one failed. By then they have run on the GPU."""
+        for i in list(self._ordered) if indices is None else indices:
+            h = self._ordered.pop(i, None)
+            if h is not None:
+                mpi_ops.synchronize(h)
 
 
 def hook_forward_waits(model, params, shard_of, weak):

@@ -353,6 +353,7 @@ class DistributedZeroOptimizer:
         the shards at `indices`). Only needed with overlap_param_gather=True, before
         reading parameters outside the model's forward or state_dict()."""
         self._gatherer.wait(indices)
+        self._gatherer.release(indices)  # stage 3: gathers the compute stream only waited for
 
     def gathered_params(self, rank0_only=False):
         """Stage 3: a context manager in which every parameter is whole (param_dtype), for

@@ -84,14 +84,17 @@ class Stage3:
             self._gatherer.gather(unit.params)  # one grouped call: one fused collective
             unit.state = State.GATHERING
 
-    def wait(self, unit):
+    def wait(self, unit, stream_ordered=False):
+        """`stream_ordered` (the hooks, just before the unit computes): the compute stream
+        waits for the gather on the GPU, the CPU goes on queueing kernels; see [Note:
+        stream-ordered waits] in python/adapter.cc."""
         if unit.state is State.GATHERING:
-            self._gatherer.wait(unit.params)
+            self._gatherer.wait(unit.params, stream_ordered)
             unit.state = State.GATHERED
 
     def unshard(self, unit):
         self.gather(unit)
-        self.wait(unit)
+        self.wait(unit, stream_ordered=True)
 
     def reshard(self, unit):
         self.wait(unit)  # never free storage a gather is still writing
@@ -182,7 +185,7 @@ class Stage3:
         self._queue_end_of_backward()
         self.gather(self.root)
         self._prefetch_next(self.backward_order)
-        self.wait(self.root)
+        self.wait(self.root, stream_ordered=True)
 
     def pre_forward(self, unit, module, args, kwargs):
         if self.pinned:
@@ -190,7 +193,7 @@ class Stage3:
         self.forward_order.visit(unit.index)
         self.gather(unit)
         self._prefetch_next(self.forward_order)
-        self.wait(unit)
+        self.wait(unit, stream_ordered=True)
         if not torch.is_grad_enabled():
             return None
         return _through(functools.partial(self.post_backward, unit), (args, kwargs))
@@ -214,7 +217,7 @@ class Stage3:
         self.backward_order.visit(unit.index)
         self.gather(unit)
         self._prefetch_next(self.backward_order)
-        self.wait(unit)
+        self.wait(unit, stream_ordered=True)
 
     def post_backward(self, unit):
         self.reshard(unit)
