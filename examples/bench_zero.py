@@ -182,7 +182,9 @@ def _bench_mode(mode, cfg, micro, steps, dev, profile_dir, profile_modes, phases
         opt = hvd.DistributedZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1),
                                            model=model, stage=stage, param_dtype=torch.bfloat16,
                                            overlap_param_gather=mode.endswith("+overlap"),
-                                           shard_group="node" if mode.endswith("+hybrid") else None)
+                                           shard_group="node" if mode.endswith("+hybrid") else None,
+                                           # FSDP2's root is wrapped with reshard_after_forward=True here too
+                                           reshard_root_after_forward=stage == 3)
 
     def forward():
         with amp:

@@ -211,7 +211,7 @@ class PyRuntime {
   // and the CPU keeps running ahead of the GPU instead of waiting for the op to run.
   // The handle stays valid: synchronize() still releases it and reports a later
   // failure. An op already done (every CPU op) needs no wait; one that failed before
-  // launching raises here, its handle released.
+  // launching raises here, and its handle still waits for synchronize().
   void WaitStream(int64_t h, int device) {
     constexpr std::chrono::milliseconds kSlice(50);
     std::shared_ptr<void> event;
@@ -225,10 +225,7 @@ class PyRuntime {
       if (ready) break;
       if (PyErr_CheckSignals() != 0) throw py::error_already_set();
     }
-    if (!s.ok()) {
-      TakeOutput(h);
-      Check(s);
-    }
+    Check(s);
     if (event) CurrentStreamWaitEvent(device, event.get());
   }
 

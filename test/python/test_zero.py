@@ -404,3 +404,23 @@ def _different_starts():
 def test_ranks_that_start_different_train_from_rank_0s_weights(ranks):
     for errs in ranks.run(_different_starts):
         assert all(e < 1e-5 for e in errs), errs
+
+
+def _zero_grad_before_step(stage):
+    """A backward whose gradients zero_grad() drops before step(), then the steps of the
+    reference: as in torch, the dropped gradients never reach the weights."""
+    n, r = hvd.size(), hvd.rank()
+    model = mlp()
+    opt = _wrap(model, stage=stage)
+    x, y = batch(99, 0)
+    mse(model, rank_rows(x, r, n) * 3, rank_rows(y, r, n)).backward()  # submitted at stage 2
+    opt.zero_grad()
+    _train(model, opt, 1, "plain", None)
+    ref, _ = train_reference(1, None)
+    return [rel_err(p, q) for p, q in zip(model.parameters(), ref.parameters())]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_grad_before_step_drops_the_gradients_so_far(ranks, stage):
+    for errs in ranks.run(_zero_grad_before_step, stage):
+        assert all(e < 1e-5 for e in errs), errs

@@ -204,23 +204,109 @@ def test_coalescing_at_stage3_holds_whole_gradients_until_the_block_exits(ranks)
         assert after["grads"] == 0, after  # handed to the reduce-scatters; the shards come at step()
 
 
-def _root_between_forward_and_backward(reshard_after_forward):
+def _root_between_forward_and_backward(reshard_root):
     model = Net()
-    opt = stage3(model, reshard_after_forward=reshard_after_forward)
-    ids, target = batch(0)
-    loss = loss_of(model, local(ids), local(target), 0)
-    held = model.emb.weight.untyped_storage().nbytes()
-    loss.backward()  # fails unless backward gathered the root again
+    opt = stage3(model, reshard_root_after_forward=reshard_root)
+    params = []
+    for step in range(2):
+        ids, target = batch(10 * step)  # as reference() numbers them
+        loss = loss_of(model, local(ids), local(target), step)
+        held = model.emb.weight.untyped_storage().nbytes()
+        loss.backward()  # fails unless backward gathered the root again
+        opt.step()
+        opt.zero_grad()
+    return held, rel_errors(full_params(model, opt), reference(steps=2))
+
+
+def test_reshard_root_after_forward_frees_the_root_until_backward(ranks):
+    # By default the root stays gathered from forward to backward, as FSDP2 keeps its root;
+    # with the option, as FSDP2 with reshard_after_forward=True on the root, the loss (here,
+    # over logits the size of the vocabulary) is computed without the embedding and head
+    # gathered, and backward gathers them again.
+    for held, errs in ranks.run(_root_between_forward_and_backward, True):
+        assert held == 0 and max(errs.values()) < 1e-6, (held, errs)
+    for held, errs in ranks.run(_root_between_forward_and_backward, False):
+        assert held >= VOCAB * D * 4 and max(errs.values()) < 1e-6, (held, errs)  # the padded fp32 embedding
+
+
+class _ScaleOut(torch.nn.Module):
+    """Returns a view of its own (root) parameter beside the blocks' output, as a policy
+    returning its log-std does."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(D, D) for _ in range(2))
+        self.log_std = torch.nn.Parameter(torch.zeros(D))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x, self.log_std.expand_as(x)
+
+
+def _root_view_output():
+    model = _ScaleOut()
+    opt = hvd.DistributedZeroOptimizer(adamw(model), model=model, stage=3, reshard_root_after_forward=True)
+    x = torch.randn(4, D)
+    mean, log_std = model(x)
+    read = float(log_std.sum())  # freeing the root would have emptied this view
+    (mean.pow(2).mean() + log_std.pow(2).mean()).backward()
     opt.step()
-    return held
+    return read
 
 
-def test_reshard_after_forward_frees_the_root_until_backward(ranks):
-    # As FSDP2 does with its root: the loss (here, over logits the size of the vocabulary) is
-    # computed without the embedding and head gathered; backward gathers them again.
-    assert ranks.run(_root_between_forward_and_backward, True) == [0] * ranks.size
-    for held in ranks.run(_root_between_forward_and_backward, False):
-        assert held >= VOCAB * D * 4, held  # the whole (padded) fp32 embedding
+def test_an_output_that_views_a_root_parameter_keeps_the_root_gathered(ranks):
+    assert ranks.run(_root_view_output) == [0.0] * ranks.size
+
+
+def _raising_backward_then_training():
+    model = Net()
+    opt = stage3(model)
+    fail = [True]
+
+    def raise_once(module, grad_in, grad_out):
+        if fail[0]:
+            fail[0] = False
+            raise RuntimeError("injected")
+    hook = model.blocks[1].register_full_backward_hook(raise_once)
+    ids, target = batch(0)
+    try:
+        loss_of(model, local(ids), local(target), 0).backward()
+    except RuntimeError as e:
+        assert "injected" in str(e)
+    hook.remove()
+    opt.zero_grad()  # frees what the failed backward left gathered
+    train(model, opt, steps=STEPS)
+    return rel_errors(full_params(model, opt), reference()), opt._stage3.backward_order.changes
+
+
+def test_a_backward_that_raised_leaves_the_next_steps_right(ranks):
+    # autograd drops the callback queued for the end of a backward that raised; the next
+    # forward must not take it as still queued (the root would then stay gathered and the
+    # backward order never be recorded again).
+    for errs, _ in ranks.run(_raising_backward_then_training):
+        assert max(errs.values()) < 1e-6, errs
+
+
+def _dropped_optimizer_releases_its_gathers():
+    import gc
+    model = Net()
+    opt = stage3(model)
+    train(model, opt, steps=1)
+    with torch.no_grad():  # an evaluation forward: its gathers are waited for in the stream order
+        model(local(batch(0)[0]))
+    tables = (opt._gatherer.in_flight, opt._gatherer._ordered)
+    before = sum(map(len, tables))
+    del opt
+    gc.collect()
+    return before, sum(map(len, tables))
+
+
+def test_a_dropped_optimizer_releases_its_gather_handles(ranks):
+    # Each handle holds its gather's input and output in the runtime until it is synchronized.
+    for before, after in ranks.run(_dropped_optimizer_releases_its_gathers):
+        assert before > 0 and after == 0, (before, after)
 
 
 class _SlowBackward(torch.autograd.Function):
@@ -316,15 +402,14 @@ def _collectives(prefetch, reshard_after_forward=True):
 
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
 def test_each_unit_gather_is_one_collective(ranks, prefetch):
-    # The root (emb, norm: 3 tensors) and each unit call (blocks 0, 1, 1, 2: 5 tensors each)
-    # in forward and again in backward: reshard_after_forward frees the root too, so that the
-    # loss is computed without it.
+    # Root (emb, norm: 3 tensors) once; each unit call (blocks 0, 1, 1, 2: 5 tensors each) in
+    # forward and again in backward.
     for per_step in ranks.run(_collectives, prefetch):
-        assert all(t == (3 + 5 * 4) * 2 for _, t in per_step), per_step
+        assert all(t == 3 + 5 * 4 * 2 for _, t in per_step), per_step
         if prefetch == 0:  # nothing else in flight: one fused collective per grouped gather
-            assert all(c == (1 + 4) * 2 for c, _ in per_step), per_step
+            assert all(c == 1 + 4 * 2 for c, _ in per_step), per_step
         else:  # prefetched gathers may share a collective
-            assert all(c <= (1 + 4) * 2 for c, _ in per_step), per_step
+            assert all(c <= 1 + 4 * 2 for c, _ in per_step), per_step
 
 
 def test_without_reshard_after_forward_backward_gathers_less(ranks):

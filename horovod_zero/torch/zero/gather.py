@@ -5,6 +5,8 @@ fp32 and casts afterwards, for comparison). Each call is one grouped enqueue per
 dtype, which the runtime fuses into one collective; the handles stay here until
 someone waits for them."""
 
+import weakref
+
 import torch
 
 from horovod_zero.torch import mpi_ops
@@ -21,6 +23,8 @@ class ParamGatherer:
         self.source = None
         self._after = {}  # shard index -> (buffer, fp32 copy) to cast once gathered (downcast off)
         self._ordered = {}  # shard index -> handle the stream waits for, not yet synchronized
+        # A dropped optimizer lets go of its handles, which hold its buffers in the runtime.
+        weakref.finalize(self, _synchronize_all, self.in_flight, self._ordered).atexit = False
 
     def gather(self, indices):
         """Enqueues the gathers of the master shards at `indices` into their buffers
@@ -57,13 +61,20 @@ class ParamGatherer:
             if h is None:
                 continue
             if stream_ordered and i not in self._after:
+                self._ordered[i] = h  # first: if the wait is interrupted, release() still has it
                 mpi_ops._wait_stream(h, self._storage.param_device)
-                self._ordered[i] = h
                 continue
             mpi_ops.synchronize(h)
             if i in self._after:
                 out, full = self._after.pop(i)
                 out.copy_(full)
+
+    def release_finished(self):
+        """Releases the stream-ordered gathers that have run, without waiting for others."""
+        for i, h in list(self._ordered.items()):
+            if mpi_ops.poll(h):
+                del self._ordered[i]
+                mpi_ops.synchronize(h)
 
     def release(self, indices=None):
         """Synchronizes the gathers that wait() only ordered the stream after: releases
@@ -84,3 +95,13 @@ def hook_forward_waits(model, params, shard_of, weak):
         if own:
             hooks.append(m.register_forward_pre_hook(weak("_wait_hook", own)))
     return hooks
+
+
+def _synchronize_all(*tables):
+    for table in tables:
+        for h in table.values():
+            try:
+                mpi_ops.synchronize(h)
+            except Exception:  # noqa: BLE001 - the job is ending, or already reported it
+                pass
+        table.clear()

@@ -79,7 +79,10 @@ class DistributedZeroOptimizer:
     units=[classes or modules]) are gathered in param_dtype just before their forward
     and again before their backward, and freed after (reshard_after_forward=False
     keeps them from forward to backward). Parameters outside every unit, or shared
-    between units, stay gathered from the model's forward to the end of backward.
+    between units (the root's), stay gathered from the model's forward to the end of
+    backward; reshard_root_after_forward=True frees them between the two, as FSDP2
+    does for a root wrapped with reshard_after_forward=True, so that the loss is
+    computed without them.
     Use `with opt.gathered_params():` to read whole parameters outside forward.
 
     backward_passes_per_step=N reduces once every N backward passes (gradients are
@@ -100,7 +103,8 @@ class DistributedZeroOptimizer:
     def __init__(self, optimizer, model=None, named_parameters=None, stage=2, param_dtype=None,
                  reduce_dtype=None, backward_passes_per_step=1, loss_scaler=None, overlap_param_gather=False,
                  cast_forward_inputs=True, units=None, reshard_after_forward=True, offload_optimizer=None,
-                 nvme_path=None, offload_params=None, overlap_step=False, shard_group=None, process_set=None):
+                 nvme_path=None, offload_params=None, overlap_step=False, shard_group=None, process_set=None,
+                 reshard_root_after_forward=False):
         _check_stage_args(stage, model, units, overlap_param_gather)
         if loss_scaler is None and param_dtype == torch.float16:
             loss_scaler = LossScaler()
@@ -157,7 +161,7 @@ class DistributedZeroOptimizer:
         self._stage3 = None
         if stage == 3:  # its hooks run after _before_forward's check of the parameters' storage
             self._stage3 = Stage3(model, unit_modules, self._storage, self._gatherer, self._reducer,
-                                  self.config.prefetch, reshard_after_forward)
+                                  self.config.prefetch, reshard_after_forward, reshard_root_after_forward)
             self._hooks += self._stage3.hooks
 
     # What the checkpoint code and tests read.
@@ -339,6 +343,7 @@ class DistributedZeroOptimizer:
         the parameters are freed instead: the next forward gathers the new values.
         With offload, the param_dtype copies the step wrote are gathered; after a load
         (not from_step) they are made from the masters first."""
+        self.wait_for_params()  # a gather the stream only waited for may still read what a load rewrites
         if self._offload is not None and not from_step:
             self._offload.host.refresh(range(len(self._shards)))
         if self._stage3 is not None:
@@ -365,8 +370,12 @@ class DistributedZeroOptimizer:
         return self._stage3.gathered(rank0_only and self._rank != 0)
 
     def zero_grad(self, set_to_none=True):
-        """Frees the gradients: the full ones on the model and the fp32 shards; at stage 3
+        """Frees the gradients: the full ones on the model, those already being reduced
+        (zero_grad() before step() drops them, as in torch) and the fp32 shards; at stage 3
         also the gathers a forward that raised left behind."""
+        if self._reducer.coalescing:
+            raise RuntimeError("zero_grad() inside coalesce_grad_reduction(): call it before the block or after step().")
+        self._reducer.discard()
         if self._stage3 is not None:
             self._stage3.reshard_all()
         for p in self._params:
@@ -416,6 +425,7 @@ class DistributedZeroOptimizer:
             self._load_state_dict(state)
 
     def _load_state_dict(self, state):
+        self.wait_for_params()  # no gather may still read the shards this rewrites
         meta = state.get("zero", {})
         if meta.get("world_size") != self._size or meta.get("rank") != self._rank:
             raise ValueError(

@@ -182,6 +182,22 @@ class GradReducer:
         self._delay = [self._bpps] * len(self._storage.shards)
         self.reduced = True
 
+    def discard(self):
+        """zero_grad() before step() (or after a backward that raised): as in torch, the
+        gradients so far are dropped. The reductions already submitted run on every rank,
+        so they are waited for, and their results forgotten; the next step starts afresh."""
+        handles = [h for hs in self._pending.values() for h in hs]
+        self._pending.clear()
+        if handles:
+            mpi_ops.synchronize(handles)
+        self._done.clear()
+        self._undrained.clear()
+        self._sunk.clear()
+        self._had_grad.clear()
+        self._bucket, self._bucket_bytes = [], 0
+        self._delay = [self._bpps] * len(self._storage.shards)
+        self.reduced = False
+
     def _average_across_nodes(self, trained, had, outputs):
         """Hybrid sharding: each reduced shard (its reductions summed) averaged with its
         replicas on the other nodes, by one grouped allreduce in the cross set; replaces

@@ -4,12 +4,12 @@ next units in recorded order (order.py).
 
 [Note: stage 3 hooks]
 - Root (the model): its pre-forward hook gathers the parameters outside every
-  unit. With reshard_after_forward (as FSDP2 does with its root) its post-forward
-  hook frees them and passes the model's outputs through _OnBackward, whose
-  backward gathers them again (with the first units of backward) once the loss's
-  backward reaches the model: the loss is computed without them. They then stay
-  gathered until the end of backward (without reshard_after_forward, from the
-  forward on; a forward without grad frees them at its end).
+  unit; they stay gathered until the end of backward (a forward without grad frees
+  them at its end). With reshard_root_after_forward (FSDP2's root with
+  reshard_after_forward=True) its post-forward hook frees them instead and passes
+  the model's outputs through _OnBackward, whose backward gathers them again (with
+  the first units of backward) once the loss's backward reaches the model: the loss
+  is computed without them. Not when an output is a view of a root parameter.
 - A unit's pre-forward hook issues its gather and the next HOROVOD_ZERO_PREFETCH
   units' (forward order), then waits for its own. Its post-forward hook frees
   it (reshard_after_forward=True, or always without grad) and passes its outputs
@@ -48,11 +48,13 @@ class Unit:
 
 
 class Stage3:
-    def __init__(self, model, unit_modules, storage, gatherer, reducer, prefetch, reshard_after_forward):
+    def __init__(self, model, unit_modules, storage, gatherer, reducer, prefetch, reshard_after_forward,
+                 reshard_root_after_forward=False):
         self._storage, self._gatherer, self._reducer = storage, gatherer, reducer
         self._model = model
         self._prefetch = prefetch
         self._reshard_after_forward = reshard_after_forward
+        self._reshard_root = reshard_root_after_forward
         names = {m: n for n, m in model.named_modules(remove_duplicate=False)}
         self.units = [Unit(k, m, names.get(m, type(m).__name__)) for k, m in enumerate(unit_modules)]
         self.root = Unit(-1, model, "<root>")
@@ -97,12 +99,17 @@ class Stage3:
         self.wait(unit, stream_ordered=True)
 
     def reshard(self, unit):
-        self.wait(unit)  # never free storage a gather is still writing
+        if unit.state is State.GATHERING:
+            # Never free storage a gather may still write: a prefetch never used, or a
+            # stream-ordered wait that was interrupted, so the compute stream never waited.
+            self._gatherer.wait(unit.params)
+            self._gatherer.release(unit.params)
         for i in unit.params:
             self._storage.reshard(i)
         unit.state = State.RESHARDED
 
     def reshard_all(self):
+        self._final_queued = False
         for u in self.units + [self.root]:
             self.reshard(u)
 
@@ -157,9 +164,11 @@ class Stage3:
     def root_pre_forward(self, module, args, kwargs):
         if self.pinned:
             return
-        # Left over from a forward that raised, or one whose backward never ran.
+        # Left over from a forward that raised, or one whose backward never ran (or raised:
+        # autograd then drops the callback queued for its end).
         for u in self.busy_units():
             self.reshard(u)
+        self._final_queued = False
         self.forward_order.now, self.forward_order.matching = [], True
         self.unshard(self.root)
 
@@ -174,12 +183,18 @@ class Stage3:
         for u in self.units:  # prefetched, but this forward took another path
             if u.state is not State.RESHARDED and u.index not in self.forward_order.last:
                 self.reshard(u)
-        if not self._reshard_after_forward:
+        if not self._reshard_root or self._aliases_root(output):
             return None
         through = _through(self.root_pre_backward, output)
         if through is not None:  # else no backward reaches the model: the root stays gathered
             self.reshard(self.root)
         return through
+
+    def _aliases_root(self, output):
+        """Whether an output is a view of a root parameter, which freeing would empty."""
+        stores = {self._storage.stores[i].untyped_storage().data_ptr() for i in self.root.params}
+        leaves, _ = tree_flatten(output)
+        return any(torch.is_tensor(t) and t.untyped_storage().data_ptr() in stores for t in leaves)
 
     def root_pre_backward(self):
         self._queue_end_of_backward()
@@ -224,9 +239,9 @@ class Stage3:
         self._reducer.flush()
 
     def _end_of_backward(self):
-        self._final_queued = False
         self.backward_order.end()
         self.reshard_all()
+        self._gatherer.release_finished()
         self._reducer.flush()
 
 
