@@ -99,6 +99,8 @@ class Stage3:
         self.wait(unit, stream_ordered=True)
 
     def reshard(self, unit):
+        if unit.state is State.RESHARDED:
+            return  # reshard_all() runs at every backward's end and in zero_grad(): most units are free
         if unit.state is State.GATHERING:
             # Never free storage a gather may still write: a prefetch never used, or a
             # stream-ordered wait that was interrupted, so the compute stream never waited.
@@ -144,12 +146,14 @@ class Stage3:
         self.pinned = True
         try:
             for u in self.units + [self.root]:
+                u.state = State.GATHERED  # first: if a gather fails, reshard_all() frees the unit
                 for i in u.params:
                     self._gatherer.gather([i])
                     self._gatherer.wait([i])
                     if free_each:
                         self._storage.reshard(i)
-                u.state = State.RESHARDED if free_each else State.GATHERED
+                if free_each:
+                    u.state = State.RESHARDED
             yield
         finally:
             self.pinned = False
