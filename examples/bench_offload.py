@@ -18,6 +18,7 @@ O_DIRECT bandwidth of --nvme-path.
 
 import argparse
 import dataclasses
+import gzip
 import importlib.util
 import json
 import math
@@ -67,6 +68,20 @@ MODES = {  # in the table's order: each of ours beside its peers
 PEER = {"zero2-cpu": "ds2-offload", "zero2-cpu-serial": "ds2-offload", "zero3-cpu": "fsdp2-cpu",
         "zero3-nvme": "disk-floor"}
 DEFAULT_MODES = "ddp,zero2-cpu,zero2-cpu-serial,ds2-offload,zero3-cpu,ds3-offload,fsdp2-cpu"
+
+
+def mode_of(name):
+    """A mode of MODES, or a variant of one: "zero2-cpu@VAR=value" runs zero2-cpu with VAR=value
+    in its environment (several: "@A=1@B=2")."""
+    return MODES[name.split("@")[0]]
+
+
+def variant_env(name):
+    pairs = name.split("@")[1:]
+    bad = [p for p in pairs if "=" not in p]
+    if bad:
+        raise SystemExit(f"--modes {name}: write a variant as MODE@VAR=value")
+    return dict(p.split("=", 1) for p in pairs)
 
 
 class Skip(Exception):
@@ -123,10 +138,7 @@ def ours_step(model, mode, dev, x, y, nvme_dir):
             raise Skip(f"refused on CPU: {e}") from e
         raise
 
-    def step():
-        loss_fn(model, x, y).backward()
-        opt.step()
-        opt.zero_grad()
+    step = train_step(model, opt, x, y)
     step.offload_stats = opt.offload_stats  # cumulative bytes moved by offload
     return step
 
@@ -148,6 +160,24 @@ def deepspeed_step(model, mode, dev, x, y, nvme_dir):
     return step
 
 
+def phase(name):
+    """A range in --trace's profile."""
+    return torch.profiler.record_function("bench." + name)
+
+
+def train_step(model, opt, x, y):
+    """One training step of `model` stepped by `opt`, each phase a range in --trace's profile."""
+    def step():
+        with phase("forward"):
+            loss = loss_fn(model, x, y)
+        with phase("backward"):
+            loss.backward()
+        with phase("step"):
+            opt.step()
+            opt.zero_grad()
+    return step
+
+
 def fsdp2_step(model, mode, dev, x, y, nvme_dir):
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
@@ -157,11 +187,7 @@ def fsdp2_step(model, mode, dev, x, y, nvme_dir):
     fully_shard(model, mp_policy=mp, offload_policy=offload)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)  # on the CPU shards
 
-    def step():
-        loss_fn(model, x, y).backward()
-        opt.step()
-        opt.zero_grad()
-    return step
+    return train_step(model, opt, x, y)
 
 
 STEPS = {"ddp": ddp_step, "ours": ours_step, "deepspeed": deepspeed_step, "fsdp2": fsdp2_step}
@@ -243,6 +269,8 @@ def measure(name, mode, args, dev, nvme_dir):
     io0, off0 = proc_io(), offload_stats(step) if ours else None
     t = median_time(step, steps, warmup=0)
     io1, off1 = proc_io(), offload_stats(step) if ours else None
+    if args.trace:
+        trace_step(step, os.path.join(args.trace, "".join(c if c.isalnum() or c in "-_" else "_" for c in name)))
     return {"step_s": t, "tokens_per_s": args.micro_batch * cfg["seq"] / t, "steps": steps, "warmup": warmup,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None,
             "rss_peak_gib": rss_peak_gib(), "pinned_peak_gib": pinned_peak_gib() if dev.type == "cuda" else None,
@@ -250,8 +278,28 @@ def measure(name, mode, args, dev, nvme_dir):
             "nvme_file_bytes": dir_bytes(nvme_dir) if mode.nvme else None, "threads": torch.get_num_threads()}
 
 
+def trace_step(step, path):
+    """Profiles one more step; keeps of its trace what shows where the time goes: the GPU's
+    kernels and copies, and the CPU ranges of the bench's phases and of horovod_zero."""
+    from torch.profiler import ProfilerActivity, profile
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        sync()
+    raw = path + ".raw.json"
+    prof.export_chrome_trace(raw)
+    with open(raw) as f:
+        trace = json.load(f)
+    os.remove(raw)
+    keep = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and (
+        e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+        or str(e.get("name", "")).startswith(("bench.", "hvd_zero.", "cudaStreamSynchronize", "cudaEventSynchronize")))]
+    with gzip.open(path + ".trace.json.gz", "wt") as f:
+        json.dump([{k: e[k] for k in ("name", "cat", "ts", "dur", "tid", "pid") if k in e} for e in keep], f)
+
+
 def steps_of(name, args):
-    nvme = MODES[name].nvme
+    nvme = mode_of(name).nvme
     return (args.steps if args.steps is not None else 3 if nvme else 5,
             args.warmup if args.warmup is not None else 1 if nvme else 2)
 
@@ -310,7 +358,7 @@ def disk_floor(args, directory):
 # ---------------------------------------------------------------- the child: one mode
 
 def child(name, args):
-    mode = MODES[name]
+    mode = mode_of(name)
     dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
@@ -352,7 +400,7 @@ def parse_timeouts(text):
     out = {}
     for item in filter(None, text.split(",")):
         name, _, sec = item.rpartition("=")
-        if name and name not in MODES:
+        if name and name.split("@")[0] not in MODES:
             raise SystemExit(f"--timeout: unknown mode {name!r}; modes: {', '.join(MODES)}")
         out[name or "*"] = float(sec)
     return out
@@ -361,11 +409,13 @@ def parse_timeouts(text):
 def run_child(name, args, argv, timeout):
     mode_dir = None
     cmd = [sys.executable, os.path.abspath(__file__), *argv, "--child", name]
-    if MODES[name].nvme:
-        mode_dir = os.path.join(args.nvme_path, f"bench_offload_{name}_{os.getpid()}")
+    if mode_of(name).nvme:
+        safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
+        mode_dir = os.path.join(args.nvme_path, f"bench_offload_{safe}_{os.getpid()}")
         os.makedirs(mode_dir)
         cmd += ["--mode-dir", mode_dir]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(child_env(), **variant_env(name)),
                             start_new_session=True)  # its own group: a timeout kills its compilers too
     found = []
 
@@ -412,7 +462,7 @@ def disk_cell(r):
     off, io = r.get("offload_per_step"), r.get("proc_io_per_step")
     if off and "disk_read_bytes" in off:
         return f"{off['disk_read_bytes'] / 1e9:.1f}/{off.get('disk_write_bytes', float('nan')) / 1e9:.1f}"
-    if io and MODES[r["mode"]].nvme:
+    if io and mode_of(r["mode"]).nvme:
         return f"{io['read'] / 1e9:.1f}/{io['write'] / 1e9:.1f}"
     return ""
 
@@ -427,7 +477,7 @@ def table(results):
         if r["status"] != "ok":
             rows.append(f"| {name} | {r['status']}: {r.get('reason', '')} | | | | | | | |")
             continue
-        t, peer = r["step_s"], PEER.get(name)
+        t, peer = r["step_s"], PEER.get(name.split("@")[0])
         peer_t = by.get(peer, {}).get("step_s") if peer else None
         vs_peer = f"{t / peer_t:.2f}x {peer}" if peer_t else (f"n/a ({peer}: {by.get(peer, {}).get('status', 'not run')})" if peer else "")
         if name == "disk-floor":
@@ -457,10 +507,11 @@ def details(results):
         parts = []
         off = r.get("offload_per_step")
         if off is not None:
-            parts.append("offload_stats per step: " + ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in sorted(off.items())))
-        elif MODES[r["mode"]].system == "ours":
+            parts.append("offload_stats per step: " + ", ".join(
+                f"{k} {v / 1e9:.2f} GB" if k.endswith("_bytes") else f"{k} {v:g}" for k, v in sorted(off.items())))
+        elif mode_of(r["mode"]).system == "ours":
             parts.append("offload_stats n/a")
-        if MODES[r["mode"]].nvme:
+        if mode_of(r["mode"]).nvme:
             io = r["proc_io_per_step"]
             parts.append(f"/proc/self/io per step: read {io['read'] / 1e9:.2f} GB, write {io['write'] / 1e9:.2f} GB")
             parts.append(f"files at the end {r['nvme_file_bytes'] / 1e9:.2f} GB")
@@ -493,12 +544,12 @@ def read_results(path):
 
 def run_modes(names, args, argv, params, setup):
     timeouts = parse_timeouts(args.timeout)
-    refusal = nvme_refusal(args, params) if any(MODES[m].nvme for m in names) else None
+    refusal = nvme_refusal(args, params) if any(mode_of(m).nvme for m in names) else None
     deadline = time.monotonic() + args.budget if args.budget else math.inf
     results = []
     for name in names:
         left = deadline - time.monotonic()
-        if MODES[name].nvme and refusal:
+        if mode_of(name).nvme and refusal:
             res = {"mode": name, "status": "skipped", "reason": refusal}
         elif left < 30:
             res = {"mode": name, "status": "skipped", "reason": "no time left in --budget"}
@@ -516,10 +567,12 @@ def parent(args, argv):
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise SystemExit("bench_offload runs on one GPU in one process: torchrun --nproc_per_node=1, or plain python")
     names = [m for m in args.modes.split(",") if m]
-    unknown = [m for m in names if m not in MODES]
+    unknown = [m for m in names if m.split("@")[0] not in MODES]
+    for m in names:
+        variant_env(m)
     if unknown:
         raise SystemExit(f"--modes: unknown {', '.join(unknown)}; modes: {', '.join(MODES)}")
-    if any(MODES[m].nvme for m in names) and "disk-floor" not in names and not args.no_disk_floor:
+    if any(mode_of(m).nvme for m in names) and "disk-floor" not in names and not args.no_disk_floor:
         names.append("disk-floor")  # an NVMe mode's ratio is to the floor
     cfg = model_cfg(args)
     params = count_params(cfg)
@@ -530,7 +583,7 @@ def parent(args, argv):
     merged = {}  # a mode run again replaces its earlier row
     for r in [r for path in args.merge for r in read_results(path)] + run_modes(names, args, argv, params, setup):
         merged[r["mode"]] = r
-    results = sorted(merged.values(), key=lambda r: list(MODES).index(r["mode"]))
+    results = sorted(merged.values(), key=lambda r: list(MODES).index(r["mode"].split("@")[0]))
     setups = sorted({r["setup"] for r in results if "setup" in r})
     lines = [head, *table(results), *details(results)]
     if len(setups) > 1 or not names:
@@ -544,7 +597,8 @@ def parent(args, argv):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--modes", default=DEFAULT_MODES, help=f"comma-separated, of: {', '.join(MODES)}")
+    ap.add_argument("--modes", default=DEFAULT_MODES,
+                    help=f"comma-separated, of: {', '.join(MODES)}; MODE@VAR=value runs MODE with VAR=value set")
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=None, help="sequence length (default 2048; tiny 64)")
     ap.add_argument("--layers", type=int, default=None, help="decoder blocks (default 16): to shrink or grow the model")
@@ -560,6 +614,9 @@ def main():
     ap.add_argument("--timeout", default="300", help='seconds per mode: "300", or "300,ds3-nvme=330"')
     ap.add_argument("--budget", type=float, default=None, help="seconds for the whole run: later modes get what is left")
     ap.add_argument("--json", default=None, help="also write the modes' JSON lines here")
+    ap.add_argument("--trace", default=None, metavar="DIR",
+                    help="profile one more step of each mode; DIR/<mode>.trace.json.gz keeps its kernels, copies "
+                         "and phase ranges")
     ap.add_argument("--merge", nargs="*", default=[], metavar="JSONL",
                     help="earlier runs' --json files, shown in the table first (with --modes '': only them)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)

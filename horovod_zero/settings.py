@@ -160,6 +160,13 @@ VARIABLES = (
              "ZeRO stage 3: gather units fetched ahead of the one in use; 0: none"),
     Variable("HOROVOD_ZERO_CPU_ADAM_ISA", "cpu_adam_isa", "cpu_adam", _Choice(("auto", "avx512", "avx2", "scalar")),
              "auto", "ZeRO CPU offload: instruction set of the C++ Adam step; auto: the widest this CPU has"),
+    Variable("HOROVOD_ZERO_NVME_QUEUE_DEPTH", "nvme_queue_depth", "nvme", _Number(int, 1, 1024), 8,
+             "ZeRO NVMe offload: O_DIRECT requests in flight per state file"),
+    Variable("HOROVOD_ZERO_NVME_REQUEST_BYTES", "nvme_request_bytes", "nvme", _Number(int, 4096), _MiB,
+             "ZeRO NVMe offload: largest O_DIRECT request, rounded down to the file system's alignment"),
+    Variable("HOROVOD_ZERO_OVERLAP_STEP_THREADS", "overlap_step_threads", "cpu_adam", _Number(int, 0), 0,
+             "ZeRO CPU offload with overlap_step=True: threads of the host step that runs beside backward; "
+             "0: the cores this process may use, less two"),
 )
 
 

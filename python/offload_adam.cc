@@ -1,6 +1,6 @@
 // _core.cpu_adam_step: the CPU Adam kernel (csrc/offload/cpu_adam.h) on torch
-// tensors, split over ATen's threads (torch.set_num_threads) with the GIL
-// released; _core.cpu_adam_isa: the ISA a step would use.
+// tensors, split over ATen's threads (torch.set_num_threads) or a given number,
+// with the GIL released; _core.cpu_adam_isa: the ISA a step would use.
 #include "offload_adam.h"
 
 #include <ATen/ATen.h>
@@ -8,8 +8,14 @@
 #include <ATen/Parallel.h>
 #include <torch/csrc/utils/pybind.h>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include <cmath>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "offload/cpu_adam.h"
@@ -92,10 +98,37 @@ void ThrowIfError(const Status& s) {
   if (!s.ok()) throw py::value_error(s.reason());
 }
 
+// Runs fn(first_block, end_block) over [0, blocks): on torch's intra-op threads when
+// threads == 0, else on exactly that many (fewer for a small shard), each taking one
+// contiguous share. A step that runs beside backward takes fewer than all cores, so
+// that the threads launching backward's kernels are not descheduled behind it, and
+// none of its own threads is (the step waits for its slowest thread).
+template <typename Fn>
+void ForBlocks(int64_t blocks, int64_t threads, const Fn& fn) {
+  if (threads <= 0) {
+    at::parallel_for(0, blocks, kGrainBlocks, fn);
+    return;
+  }
+  const int64_t n = std::max<int64_t>(1, std::min(threads, (blocks + kGrainBlocks - 1) / kGrainBlocks));
+#ifdef _OPENMP
+  if (n > 1 && !omp_in_parallel()) {
+#pragma omp parallel num_threads(static_cast<int>(n))
+    {
+      const int64_t tid = omp_get_thread_num(), team = omp_get_num_threads();
+      const int64_t per = (blocks + team - 1) / team;
+      const int64_t b = std::min(blocks, tid * per), e = std::min(blocks, b + per);
+      if (b < e) fn(b, e);
+    }
+    return;
+  }
+#endif
+  fn(0, blocks);
+}
+
 void CpuAdamStepPy(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                    const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& out, double lr, double beta1,
                    double beta2, double eps, double weight_decay, int64_t step, bool decoupled, bool maximize,
-                   double grad_scale, const std::string& isa_name) {
+                   double grad_scale, const std::string& isa_name, int64_t threads) {
   AdamHyper h{lr, beta1, beta2, eps, weight_decay, step, decoupled, maximize, grad_scale};
   AdamCoeffs c;
   AdamTensors t;
@@ -106,13 +139,63 @@ void CpuAdamStepPy(const at::Tensor& param, const at::Tensor& grad, const at::Te
   {
     py::gil_scoped_release nogil;
     const int64_t blocks = (t.numel + kBlock - 1) / kBlock;
-    at::parallel_for(0, blocks, kGrainBlocks, [&](int64_t b, int64_t e) {
+    ForBlocks(blocks, threads, [&](int64_t b, int64_t e) {
       CpuAdamStep(isa, c, t, b * kBlock, std::min(e * kBlock, t.numel));
     });
   }
   // As torch's in-place ops do: autograd sees these tensors changed.
   for (const at::Tensor* w : {&param, &exp_avg, &exp_avg_sq}) w->unsafeGetTensorImpl()->bump_version();
   if (out) out->unsafeGetTensorImpl()->bump_version();
+}
+
+// Many shards in one call (the offload worker's batch): everything is checked first,
+// then the GIL is released once. A thread that takes the GIL back between shards waits
+// behind a training thread busy in Python, up to the interpreter's switch interval
+// (5 ms) each time; per shard, that was most of the worker's time.
+// Each item: (param, grad, exp_avg, exp_avg_sq, out or None, lr, beta1, beta2, eps,
+// weight_decay, step, decoupled, maximize, grad_scale), where `step` is torch's state
+// tensor (the steps taken, 0-dim fp32/fp64): the item takes step + 1, and the tensor is
+// incremented after, without a torch op (each op would hand the GIL over again).
+void CpuAdamStepBatchPy(const std::vector<py::tuple>& items, const std::string& isa_name, int64_t threads) {
+  CpuAdamIsa isa;
+  ThrowIfError(ResolveCpuAdamIsa(isa_name, &isa));
+  std::vector<at::Tensor> held;  // param, exp_avg, exp_avg_sq, out: versions bumped after
+  std::vector<std::pair<AdamCoeffs, AdamTensors>> work(items.size());
+  std::vector<at::Tensor> counts(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    const py::tuple& it = items[i];
+    if (it.size() != 14) throw py::value_error("cpu_adam_step_batch: each item has 14 fields; see the docstring.");
+    auto param = it[0].cast<at::Tensor>(), grad = it[1].cast<at::Tensor>();
+    auto m = it[2].cast<at::Tensor>(), v = it[3].cast<at::Tensor>();
+    auto out = it[4].is_none() ? std::nullopt : std::optional<at::Tensor>(it[4].cast<at::Tensor>());
+    counts[i] = it[10].cast<at::Tensor>();
+    const at::Tensor& count = counts[i];
+    if (!count.is_cpu() || count.dim() != 0 || (count.scalar_type() != at::kFloat && count.scalar_type() != at::kDouble))
+      throw py::value_error("cpu_adam_step_batch: an item's step is not torch's 0-dim fp32/fp64 CPU step tensor.");
+    const double taken = count.scalar_type() == at::kFloat ? *count.data_ptr<float>() : *count.data_ptr<double>();
+    AdamHyper h{it[5].cast<double>(), it[6].cast<double>(), it[7].cast<double>(), it[8].cast<double>(),
+                it[9].cast<double>(), std::llround(taken) + 1, it[11].cast<bool>(), it[12].cast<bool>(),
+                it[13].cast<double>()};
+    ThrowIfError(MakeAdamCoeffs(h, &work[i].first));
+    ThrowIfError(Prepare(param, grad, m, v, out, &work[i].second));
+    held.insert(held.end(), {param, m, v});
+    if (out) held.push_back(*out);
+  }
+  {
+    py::gil_scoped_release nogil;
+    for (const auto& [c, t] : work) {
+      const int64_t blocks = (t.numel + kBlock - 1) / kBlock;
+      ForBlocks(blocks, threads, [&](int64_t b, int64_t e) {
+        CpuAdamStep(isa, c, t, b * kBlock, std::min(e * kBlock, t.numel));
+      });
+    }
+  }
+  for (const at::Tensor& w : held) w.unsafeGetTensorImpl()->bump_version();
+  for (at::Tensor& count : counts) {
+    if (count.scalar_type() == at::kFloat) *count.data_ptr<float>() += 1.0f;
+    else *count.data_ptr<double>() += 1.0;
+    count.unsafeGetTensorImpl()->bump_version();
+  }
 }
 
 std::string CpuAdamIsaPy(const std::string& requested) {
@@ -127,10 +210,15 @@ void RegisterOffloadAdam(py::module_& m) {
   m.def("cpu_adam_step", &CpuAdamStepPy, py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
         py::arg("exp_avg_sq"), py::arg("out"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
         py::arg("weight_decay"), py::arg("step"), py::arg("decoupled"), py::arg("maximize"), py::arg("grad_scale"),
-        py::arg("isa") = "auto",
+        py::arg("isa") = "auto", py::arg("threads") = 0,
         "One Adam (decoupled=False) or AdamW step in place on contiguous CPU tensors of equal numel: fp32 param, "
         "exp_avg, exp_avg_sq; grad in fp32/bf16/fp16; `out` (None or fp32/bf16/fp16) receives the new param. "
-        "`step` counts from 1; g = grad * grad_scale. Runs on torch's intra-op threads with the GIL released.");
+        "`step` counts from 1; g = grad * grad_scale. Runs with the GIL released on torch's intra-op threads "
+        "(threads=0) or on `threads` threads.");
+  m.def("cpu_adam_step_batch", &CpuAdamStepBatchPy, py::arg("items"), py::arg("isa") = "auto", py::arg("threads") = 0,
+        "cpu_adam_step on each item (param, grad, exp_avg, exp_avg_sq, out or None, lr, beta1, beta2, eps, "
+        "weight_decay, step, decoupled, maximize, grad_scale), in order, releasing the GIL once; `step` is the "
+        "optimizer's 0-dim state['step'] tensor, incremented after. Every item is checked before any is stepped.");
   m.def("cpu_adam_isa", &CpuAdamIsaPy, py::arg("requested") = "auto",
         "The ISA cpu_adam_step uses for `requested` (auto, avx512, avx2 or scalar); ValueError if this CPU lacks it.");
 }

@@ -6,11 +6,14 @@ the param may differ by an ulp or two of itself; the moments are compared the
 same way. _close: rtol 1e-6, atol 1e-7 times the largest magnitude of the
 reference (a few fp32 ulps of the values compared)."""
 
+import os
+
 import pytest
 import torch
 
 from horovod_zero import _core
 from horovod_zero.torch.zero.offload.cpu_adam import CpuAdam, adam_step_flat, chosen_isa, not_covered_reason
+from horovod_zero.torch.zero.offload.overlap import backward_threads
 
 def _supported(name):
     try:
@@ -182,6 +185,24 @@ def test_thread_counts_give_the_same_result(threads):
     _expect_same_state(ours, ref)
 
 
+@pytest.mark.parametrize("threads", [1, 3, 7])
+def test_explicit_thread_counts_give_the_same_result(threads):
+    """threads=k (the step beside backward) splits the blocks its own way: same bits."""
+    gen = torch.Generator().manual_seed(6)
+    n = 300_007  # 74 blocks of 4096: up to 9 threads get work, the last one a tail
+    param, grad = torch.randn(n, generator=gen), torch.randn(n, generator=gen).to(torch.bfloat16)
+    results = []
+    for k in (0, threads):
+        p, m, v, out = param.clone(), torch.zeros(n), torch.zeros(n), torch.empty(n, dtype=torch.bfloat16)
+        for step in (1, 2):
+            adam_step_flat(p, grad, m, v, out, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, step=step,
+                           decoupled=True, threads=k)
+        results.append((p, m, v, out))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    assert not torch.equal(results[0][0], param)  # it stepped
+
+
 def test_state_dict_and_torch_steps_interchange_with_ours():
     """Ours, torch's and ours again on one optimizer, through a state_dict round
     trip, equal a pure-torch run."""
@@ -268,3 +289,40 @@ def test_bad_input_is_refused_with_what_to_do():
     with pytest.raises(ValueError, match="steps count from 1"):
         adam_step_flat(p.detach(), torch.zeros(8), torch.zeros(8), torch.zeros(8), None, lr=1e-3, betas=(0.9, 0.999),
                        eps=1e-8, weight_decay=0.0, step=0, decoupled=True)
+
+
+def test_overlap_step_threads_setting():
+    assert backward_threads({"HOROVOD_ZERO_OVERLAP_STEP_THREADS": "3"}) == 3
+    assert backward_threads({}) == max(1, len(os.sched_getaffinity(0)) - 2)
+    with pytest.raises(ValueError, match="HOROVOD_ZERO_OVERLAP_STEP_THREADS='-1'"):
+        backward_threads({"HOROVOD_ZERO_OVERLAP_STEP_THREADS": "-1"})
+
+
+def test_batch_steps_each_item_as_one_call_would_and_counts_the_steps():
+    gen = torch.Generator().manual_seed(7)
+    sizes = (5, 4096 * 3 + 1, 70_001)
+    params = [torch.randn(n, generator=gen) for n in sizes]
+    grads = [torch.randn(n, generator=gen).to(torch.bfloat16) for n in sizes]
+    singles = [(p.clone(), torch.zeros_like(p), torch.zeros_like(p), torch.empty(p.numel(), dtype=torch.bfloat16))
+               for p in params]
+    batch = [(p.clone(), torch.zeros_like(p), torch.zeros_like(p), torch.empty(p.numel(), dtype=torch.bfloat16))
+             for p in params]
+    counts = [torch.tensor(0.0), torch.tensor(3.0, dtype=torch.float64), torch.tensor(0.0)]
+    for (p, m, v, out), g, c in zip(singles, grads, counts):
+        adam_step_flat(p, g, m, v, out, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1,
+                       step=int(c.item()) + 1, decoupled=True)
+    _core.cpu_adam_step_batch([(p, g, m, v, out, 1e-2, 0.9, 0.99, 1e-8, 0.1, c, True, False, 1.0)
+                               for (p, m, v, out), g, c in zip(batch, grads, counts)], "auto", 2)
+    for a, b in zip(singles, batch):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+    assert [c.item() for c in counts] == [1.0, 4.0, 1.0]
+    # A bad item anywhere: nothing is stepped, no count moves.
+    before = [t.clone() for t in batch[0]]
+    with pytest.raises(ValueError, match="elements"):
+        _core.cpu_adam_step_batch([(batch[0][0], grads[0], *batch[0][1:3], None, 1e-2, 0.9, 0.99, 1e-8, 0.1,
+                                    counts[0], True, False, 1.0),
+                                   (batch[1][0], grads[2], *batch[1][1:3], None, 1e-2, 0.9, 0.99, 1e-8, 0.1,
+                                    counts[1], True, False, 1.0)], "auto", 0)
+    assert all(torch.equal(x, y) for x, y in zip(before, batch[0]))
+    assert [c.item() for c in counts] == [1.0, 4.0, 1.0]

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import horovod_zero.torch as hvd
+from horovod_zero import _core
 from harness import launch
 from refs import STEPS, adamw, batch, mlp, mse, rank_rows, rel_err, train_reference
 
@@ -88,6 +89,28 @@ def test_offloaded_optimizer_matches_single_process_reference(ranks, stage, kind
 
 def test_stage3_with_parameters_offloaded_matches_reference(ranks):
     for rank_out in ranks.run(_parity, 3, "adamw", "cpu"):
+        for mode, err, _, _ in rank_out:
+            assert err < 1e-5, (mode, err)
+
+
+def _parity_in_small_chunks(stage, overlap):
+    """_parity with the host step cut into chunks of a parameter or two, each gathered
+    while the next is stepped: every rank must make the same chunks."""
+    from horovod_zero.torch.zero.offload import engine, overlap as worker
+    engine._CHUNK_NUMEL = 40  # the four parameters' shards (4 to 264 elements): three chunks
+    worker._BATCH_NUMEL = 40  # and overlap_step's worker takes a backlog in batches that size
+    if not overlap:
+        return _parity(stage, "adamw")
+    model = mlp()
+    opt = _wrap(model, "adamw", stage, offload_optimizer="cpu", overlap_step=True)
+    _train(model, opt, 1, None)
+    return [("overlap", max(rel_err(p, q) for p, q in zip(_weights(model, opt), _reference("adamw", 1, None))),
+             None, set())]
+
+
+@pytest.mark.parametrize("stage,overlap", [(1, False), (2, False), (2, True), (3, False)])
+def test_host_step_in_chunks_matches_reference(ranks, stage, overlap):
+    for rank_out in ranks.run(_parity_in_small_chunks, stage, overlap):
         for mode, err, _, _ in rank_out:
             assert err < 1e-5, (mode, err)
 
@@ -265,3 +288,26 @@ def test_offload_argument_errors_say_what_to_do(ranks):
                   "nvme_missing": "/nonexistent/hvdz", "nvme_overlap": "is for offload_optimizer='cpu'"}
         for key, text in expect.items():
             assert errors[key] is not None and text in errors[key], (key, errors[key])
+
+
+def _nvme_aio(path):
+    hvd.init()
+    try:
+        model = mlp()
+        opt = _wrap(model, "adamw", 2, offload_optimizer="nvme", nvme_path=path)
+        return {name: (f.queue_depth, f.request_bytes) for name, f in opt._offload.nvme._swapper._files.items()}
+    except ValueError as e:
+        return str(e)
+    finally:
+        hvd.shutdown()
+
+
+@pytest.mark.skipif(not getattr(_core, "HAVE_LIBURING", False), reason="this build has no liburing")
+def test_nvme_queue_depth_and_request_size_come_from_the_environment(tmp_path):
+    res = launch(_nvme_aio, 1, str(tmp_path),
+                 env={"HOROVOD_ZERO_NVME_QUEUE_DEPTH": "3", "HOROVOD_ZERO_NVME_REQUEST_BYTES": "65536"})
+    status, files = res[0]
+    assert status == "ok", files
+    assert files == {name: (3, 65536) for name in ("master", "exp_avg", "exp_avg_sq")}, files
+    status, err = launch(_nvme_aio, 1, str(tmp_path), env={"HOROVOD_ZERO_NVME_QUEUE_DEPTH": "0"})[0]
+    assert status == "error" and "HOROVOD_ZERO_NVME_QUEUE_DEPTH='0'" in err, err  # refused by init()

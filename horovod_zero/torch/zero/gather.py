@@ -5,6 +5,7 @@ fp32 and casts afterwards, for comparison). Each call is one grouped enqueue per
 dtype, which the runtime fuses into one collective; the handles stay here until
 someone waits for them."""
 
+import contextlib
 import weakref
 
 import torch
@@ -19,8 +20,10 @@ class ParamGatherer:
         self._downcast = downcast
         self.in_flight = {}  # shard index -> allgather handle
         # Offload: (index, buffer) -> the param_dtype shard on the device to gather from
-        # (offload/host.py); None gathers the master shards.
+        # (offload/host.py); None gathers the master shards. source_stream: the CUDA stream
+        # the sources are copied on and the gathers enqueued from (None: the current one).
         self.source = None
+        self.source_stream = None
         self._after = {}  # shard index -> (buffer, fp32 copy) to cast once gathered (downcast off)
         self._ordered = {}  # shard index -> handle the stream waits for, not yet synchronized
         # A dropped optimizer lets go of its handles, which hold its buffers in the runtime.
@@ -36,6 +39,15 @@ class ParamGatherer:
         for i in indices:
             out = st.unshard(i) if st.sharded_params else st.stores[i]
             by_dtype.setdefault(out.dtype, []).append((i, out))
+        stream = self.source_stream
+        if stream is not None and by_dtype:
+            # The buffers come from the compute stream's pool and may be what it still reads.
+            stream.wait_stream(torch.cuda.current_stream(st.param_device))
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            self._enqueue(by_dtype)
+
+    def _enqueue(self, by_dtype):
+        st = self._storage
         for dtype, items in by_dtype.items():
             if self.source is not None:
                 ins = [self.source(i, o) for i, o in items]

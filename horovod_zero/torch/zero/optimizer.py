@@ -307,8 +307,12 @@ class DistributedZeroOptimizer:
             if closure is not None:
                 raise ValueError("step(closure) with offload: the step runs on host shards; call the closure "
                                  "(forward and backward) before step().")
-            self._offload.step(range(len(self._shards)))
-            self._gather_params(wait=not self._overlap, from_step=True)
+            if self._stage3 is not None:
+                self._offload.step(range(len(self._shards)))
+                self._stage3.reshard_all()  # the next forward gathers the new values
+            else:
+                self._offload.step(range(len(self._shards)), gather=self._gatherer.gather)
+                self.wait_for_params()  # overlap_param_gather is refused with offload
             return None
         loss = self.optimizer.step(closure)
         self._gather_params(wait=not self._overlap)
@@ -337,14 +341,14 @@ class DistributedZeroOptimizer:
         return bool(mpi_ops.allreduce(local, op=mpi_ops.Max, name="zero.found_inf",
                                       process_set=self._storage.scope.process_set).item())
 
-    def _gather_params(self, wait=True, from_step=False):
+    def _gather_params(self, wait=True):
         """Allgathers the master shards into the parameters. wait=False leaves the
         handles for wait_for_params() (the forward hooks, or the next step). At stage 3
         the parameters are freed instead: the next forward gathers the new values.
-        With offload, the param_dtype copies the step wrote are gathered; after a load
-        (not from_step) they are made from the masters first."""
+        With offload (after a load: an offloaded step gathers its own output) the
+        param_dtype copies are made from the masters first."""
         self.wait_for_params()  # a gather the stream only waited for may still read what a load rewrites
-        if self._offload is not None and not from_step:
+        if self._offload is not None:
             self._offload.host.refresh(range(len(self._shards)))
         if self._stage3 is not None:
             self._stage3.reshard_all()

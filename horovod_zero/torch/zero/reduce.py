@@ -67,18 +67,18 @@ class GradReducer:
         self._submit(bucket)
         self._drain()
 
-    def _drain(self):
+    def _drain(self, wait=False):
         """Takes the outputs of the reductions that have finished, in submission order, so
         that their handles let go of the full gradients they reduced: backward then holds
         only the gradients still in flight. Stops at the first one still running (they
-        finish in order), so a flush polls few handles. Offload's sink gets each shard
-        here, except with hybrid sharding, where a shard is final only after its
-        cross-node average."""
+        finish in order), so a flush polls few handles; wait=True waits for each instead.
+        Offload's sink gets each shard here, except with hybrid sharding, where a shard is
+        final only after its cross-node average."""
         early = self.sink is not None and self._storage.cross_set is None
         while self._undrained:
             index = self._undrained[0]
             handles = self._pending[index]
-            while handles and mpi_ops.poll(handles[0]):
+            while handles and (wait or mpi_ops.poll(handles[0])):
                 self._done.setdefault(index, []).append(mpi_ops.synchronize(handles.pop(0)))
             if handles:
                 return
@@ -145,6 +145,12 @@ class GradReducer:
         if self.reduced:
             return
         self.submit_rest()
+        if self.sink is not None:
+            # The CPU is usually well ahead of backward on the GPU: the sink gets each shard
+            # as its reduction finishes there, so its copy to the host (and with
+            # overlap_step its host step) runs beside the rest of backward. The allreduce
+            # below would wait for all of backward first.
+            self._drain(wait=True)
         trained = self._trained()
         had = self._had_grad_anywhere(trained)
         masters = self._storage.master_params

@@ -64,15 +64,15 @@ def not_covered_reason(optimizer) -> Optional[str]:
 def adam_step_flat(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                    out: Optional[torch.Tensor], *, lr: float, betas: Tuple[float, float], eps: float,
                    weight_decay: float, step: int, decoupled: bool, maximize: bool = False, grad_scale: float = 1.0,
-                   isa: Optional[str] = None) -> None:
+                   isa: Optional[str] = None, threads: int = 0) -> None:
     """One Adam (decoupled=False: L2, grad += weight_decay * param) or AdamW step in
     place on contiguous CPU tensors of equal numel: fp32 param, exp_avg and
     exp_avg_sq; grad fp32, bf16 or fp16, used as grad * grad_scale; `out` (None,
     or fp32/bf16/fp16) receives the new param. `step` is the step being taken,
-    from 1. `isa`: None for chosen_isa()."""
+    from 1. `isa`: None for chosen_isa(). `threads`: 0 for torch's intra-op threads."""
     _core.cpu_adam_step(param, grad, exp_avg, exp_avg_sq, out, float(lr), float(betas[0]), float(betas[1]), float(eps),
                         float(weight_decay), int(step), bool(decoupled), bool(maximize), float(grad_scale),
-                        isa or chosen_isa())
+                        isa or chosen_isa(), int(threads))
 
 
 def _step_dtype(group) -> torch.dtype:
@@ -107,12 +107,14 @@ class CpuAdam:
         self.isa = chosen_isa(env)
 
     def step_items(self, items: Iterable[Tuple[dict, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]], *,
-                   grad_scale: float = 1.0) -> None:
+                   grad_scale: float = 1.0, threads: int = 0) -> None:
         """One step of each item (group, param, grad, out): `group` is the param
         group holding `param` (an fp32 CPU tensor), `grad` a CPU tensor of its numel
         in fp32/bf16/fp16, used as grad * grad_scale; `out` None or a CPU tensor of
-        its numel in bf16/fp16/fp32 that receives the new param."""
+        its numel in bf16/fp16/fp32 that receives the new param. `threads`: 0 for
+        torch's intra-op threads."""
         owner = {id(p): id(g) for g in self.optimizer.param_groups for p in g["params"]}
+        batch = []
         for group, param, grad, out in items:
             if owner.get(id(param)) != id(group):
                 raise ValueError("CpuAdam.step_items: an item's param is not in the param group given with it; pass "
@@ -122,13 +124,12 @@ class CpuAdam:
             reason = _group_reason(group)  # a group added after CpuAdam was built
             if reason is not None:
                 raise ValueError(f"{type(self.optimizer).__name__} {reason} is not covered by the C++ CPU Adam.")
-            self._step_one(group, param, grad, out, grad_scale)
-
-    @torch.no_grad()
-    def _step_one(self, group, param, grad, out, grad_scale):
-        state = _state(self.optimizer, group, param)
-        adam_step_flat(param, grad, state["exp_avg"], state["exp_avg_sq"], out, lr=group["lr"], betas=group["betas"],
-                       eps=group["eps"], weight_decay=group["weight_decay"], step=round(state["step"].item()) + 1,
-                       decoupled=group.get("decoupled_weight_decay", False), maximize=group.get("maximize", False),
-                       grad_scale=grad_scale, isa=self.isa)
-        state["step"] += 1  # after the step, which refuses bad input before changing anything
+            state = _state(self.optimizer, group, param)
+            b1, b2 = group["betas"]
+            batch.append((param.detach(), grad, state["exp_avg"], state["exp_avg_sq"], out, float(group["lr"]),
+                          float(b1), float(b2), float(group["eps"]), float(group["weight_decay"]), state["step"],
+                          bool(group.get("decoupled_weight_decay", False)), bool(group.get("maximize", False)),
+                          float(grad_scale)))
+        # One call: the GIL is released once for all of them, and each state["step"] is
+        # incremented there, after every item was checked and stepped.
+        _core.cpu_adam_step_batch(batch, self.isa, int(threads))

@@ -37,6 +37,9 @@ class HostOffload:
         self.stepper = stepper  # stepper.py's, or NvmeState
         self._d2h = torch.cuda.Stream(storage.param_device) if self._cuda else None
         self.h2d_stream = torch.cuda.Stream(storage.param_device) if self._cuda else None
+        # Gathers copy host values in and enqueue their collectives here, so that a copy
+        # runs beside the compute it prefetches for instead of in its queue (gather.py).
+        self.gather_stream = torch.cuda.Stream(storage.param_device) if self._cuda else None
         self.grads = {}       # shard index -> host gradient shard (this step), or None: no rank had one
         self._host_grad = {}  # shard index -> its pinned buffer, kept across steps
         self._copies = {}     # shard index -> (event, device tensor) of its D2H copy in flight
@@ -45,6 +48,10 @@ class HostOffload:
         self.rest = []        # stage 3 without offload_params: the param_dtype shard on the device
         self.scale = 1.0      # unscale * clip factor for the step
         self.stats = {"d2h_bytes": 0, "h2d_bytes": 0}
+
+    @property
+    def shards(self):
+        return self._st.shards
 
     def add_shards(self, shards, stores):
         """Allocates the param_dtype copies of newly sharded parameters and fills them
@@ -79,7 +86,7 @@ class HostOffload:
             buf.copy_(out, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record()
-        self._copies[s.index] = (ev, out)  # keeps the device shard alive until copied
+        self._copies[s.index] = (ev, out)  # keeps the device shard alive until copied; in stream order
         self.stats["d2h_bytes"] += out.numel() * out.element_size()
         self.grads[s.index] = buf
 
@@ -88,11 +95,18 @@ class HostOffload:
 
     def grads_arrived(self, indices=None):
         """Waits for the gradient copies in flight (of `indices`, or all), releasing the GIL.
-        The worker of overlap_step calls it too, while backward adds copies."""
-        for i in list(self._copies) if indices is None else indices:
-            copy = self._copies.pop(i, None)
-            if copy is not None:
-                copy[0].synchronize()
+        The worker of overlap_step calls it too, while backward adds copies. The copies run
+        in order on one stream, so one wait, for the last of them, covers them all (and
+        every copy started before it): a thread needing the GIL back after each wait would
+        queue behind backward's Python for each."""
+        wanted = set(self._copies) if indices is None else set(indices)
+        order = list(self._copies)  # insertion order: the stream's order
+        last = max((k for k, i in enumerate(order) if i in wanted), default=None)
+        if last is None:
+            return
+        self._copies[order[last]][0].synchronize()
+        for i in order[:last + 1]:
+            self._copies.pop(i, None)
 
     # --- norms and overflow: host tensors, so Gloo ---------------------------------
 
@@ -118,11 +132,14 @@ class HostOffload:
 
     # --- the step --------------------------------------------------------------
 
-    def step(self, indices):
-        """Steps the shards at `indices` that have a gradient; writes their param_dtype copies."""
+    def step(self, indices, threads=0):
+        """Steps the shards at `indices` that have a gradient; writes their param_dtype copies.
+        `threads`: 0 for torch's intra-op threads."""
         self.grads_arrived(indices)
         items = [(i, self.grads[i]) for i in indices if self.grads.get(i) is not None]
-        self.stepper.step(self._st, items, self.out, self.scale)
+        if items:
+            with torch.profiler.record_function("hvd_zero.offload.host_step"):
+                self.stepper.step(self._st, items, self.out, self.scale, threads)
 
     def refresh(self, indices):
         """out <- master for shards whose master changed outside a step (construction, loads)."""
@@ -148,13 +165,16 @@ class HostOffload:
         """Copies the new values of `indices` to where the next gather reads them (on the
         current stream): the rest copy at stage 3, this rank's slot of the parameter's
         buffer at stages 1 and 2. With offload_params they stay on the host."""
+        dsts, srcs = [], []
         for i in indices:
             if self._st.sharded_params and self.rest[i] is None:
                 continue
-            dst = self.rest[i] if self.rest[i] is not None else self._slot(i, self._st.stores[i])
-            dst.copy_(self.out[i], non_blocking=self._pin)
-            self._count_h2d(dst)
+            dsts.append(self.rest[i] if self.rest[i] is not None else self._slot(i, self._st.stores[i]))
+            srcs.append(self.out[i])
+            self._count_h2d(dsts[-1])
             self._published.add(i)
+        if dsts:  # one call for all: see grads_arrived() on the GIL
+            torch._foreach_copy_(dsts, srcs, non_blocking=self._pin)
 
     def _count_h2d(self, t):
         if self._cuda:

@@ -21,6 +21,7 @@ import contextlib
 
 import torch
 
+from horovod_zero import settings
 from horovod_zero.torch.zero.offload.cpu_adam import adam_step_flat, chosen_isa, not_covered_reason
 from horovod_zero.torch.zero.offload.nvme import NvmeSwapper, check_nvme_path
 
@@ -53,7 +54,9 @@ class NvmeState:
             raise ValueError("add_param_group() with offload_optimizer='nvme': the state files are laid out at "
                              "construction. Put every param group in the optimizer before wrapping it.")
         masters = self._st.master
-        self._swapper = NvmeSwapper(self._path, self._st.rank, [m.numel() for m in masters])
+        aio = settings.read_section("nvme")
+        self._swapper = NvmeSwapper(self._path, self._st.rank, [m.numel() for m in masters],
+                                    queue_depth=aio["nvme_queue_depth"], request_bytes=aio["nvme_request_bytes"])
         for g, m in enumerate(masters):
             self._swapper.write_region(g, "master", m)
             m.untyped_storage().resize_(0)
@@ -61,8 +64,9 @@ class NvmeState:
 
     # --- the step ---------------------------------------------------------------------
 
-    def step(self, storage, items, outs, scale):
-        """items: (shard index, host gradient); writes outs[index] for each."""
+    def step(self, storage, items, outs, scale, threads=0):
+        """items: (shard index, host gradient); writes outs[index] for each, stepping on
+        `threads` threads (0: torch's intra-op threads)."""
         grads = dict(items)
         groups, shards = self._optimizer.param_groups, storage.shards
         sub_groups = self._swapper.sub_groups()
@@ -82,7 +86,7 @@ class NvmeState:
                                views["exp_avg_sq"][at], outs[s.index][to], lr=group["lr"], betas=group["betas"],
                                eps=group["eps"], weight_decay=group["weight_decay"], step=self.steps[s.index] + 1,
                                decoupled=group.get("decoupled_weight_decay", False),
-                               maximize=group.get("maximize", False), grad_scale=scale)
+                               maximize=group.get("maximize", False), grad_scale=scale, threads=threads)
 
         self._swapper.for_each(sub_groups, step_sub_group)
         for i in grads:

@@ -17,11 +17,26 @@ worker and gathers.
   refuses the same call whatever its timing.
 - The C++ step releases the GIL, so backward's own Python hooks keep running."""
 
+import os
 import threading
 
 import torch
 
+from horovod_zero import settings
 from horovod_zero.torch.zero.offload.host import HostOffload
+
+
+# About 6 ms of the host step on 16 cores, as the step's chunks (engine.py).
+_BATCH_NUMEL = 32 << 20
+
+
+def backward_threads(env=None):
+    """Threads of the host step beside backward (HOROVOD_ZERO_OVERLAP_STEP_THREADS): by
+    default all usable cores but two, which stay for the threads that launch backward's
+    kernels and run the collectives; with every core spinning in the step, those are
+    descheduled and the GPU waits."""
+    n = settings.read_section("cpu_adam", env)["overlap_step_threads"]
+    return n if n > 0 else max(1, len(os.sched_getaffinity(0)) - 2)
 
 
 class OverlapSink:
@@ -35,6 +50,7 @@ class OverlapSink:
         self._thread = None
         self.stepped = set()   # shard indices stepped early this step
         self._published = []   # events of the copies back to the device
+        self.threads = backward_threads()
         host.stats["stepped_before_step"] = 0
 
     @property
@@ -75,7 +91,7 @@ class OverlapSink:
             with self._lock:
                 while not self._queue:
                     self._lock.wait()
-                batch, self._queue = self._queue, []
+                batch = self._take_batch()
             if None in batch:
                 return
             try:
@@ -87,16 +103,29 @@ class OverlapSink:
                 self._finished += len(batch)
                 self._lock.notify_all()
 
+    def _take_batch(self):
+        """The queue's head, up to _BATCH_NUMEL elements (at least one shard): a batch's
+        values go back to the device when all of it is stepped, so a large backlog is cut
+        into batches whose copies run while the next is stepped."""
+        shards, numel, n = self.host.shards, 0, 0
+        for item in self._queue:
+            if item is None or (n and numel + shards[item[0]].shard > _BATCH_NUMEL):
+                break  # close()'s None ends the worker once the shards before it are stepped
+            numel += shards[item[0]].shard
+            n += 1
+        n = max(n, 1)
+        batch, self._queue = self._queue[:n], self._queue[n:]
+        return batch
+
     def _step(self, batch):
         indices = [i for i, _ in batch]
-        self.host.step(indices)
+        self.host.step(indices, threads=self.threads)
         events = [ev for _, ev in batch if ev is not None]
         if not events:
             self.host.publish(indices)
             return
         stream = self.host.h2d_stream
-        for ev in events:
-            stream.wait_event(ev)
+        stream.wait_event(events[-1])  # recorded in order on the compute stream: covers the others
         with torch.cuda.stream(stream):
             self.host.publish(indices)
             done = torch.cuda.Event()
@@ -107,7 +136,7 @@ class OverlapSink:
     def wait(self):
         """Waits until every shard stepped early is stepped and on its way back; the
         current stream waits for the copies."""
-        with self._lock:
+        with torch.profiler.record_function("hvd_zero.offload.wait_early_steps"), self._lock:
             # The evidence of overlap: shards whose host step was done when step() came.
             self.host.stats["stepped_before_step"] += self._finished - self._counted
             while self._finished < self._submitted:

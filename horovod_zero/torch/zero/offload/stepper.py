@@ -15,12 +15,13 @@ class FastStepper:
         self._optimizer = optimizer
         self._adam = CpuAdam(optimizer)
 
-    def step(self, storage, items, outs, scale):
-        """items: (shard index, host gradient); writes outs[index] for each."""
+    def step(self, storage, items, outs, scale, threads=0):
+        """items: (shard index, host gradient); writes outs[index] for each. `threads`: 0
+        for torch's intra-op threads."""
         groups = self._optimizer.param_groups
         masters, shards = storage.master_params, storage.shards
         self._adam.step_items([(groups[shards[i].group], masters[i], g, outs[i]) for i, g in items],
-                              grad_scale=scale)
+                              grad_scale=scale, threads=threads)
 
     def describe(self):
         return f"C++ {type(self._optimizer).__name__} ({chosen_isa()})"
@@ -32,8 +33,8 @@ class TorchStepper:
     def __init__(self, optimizer):
         self._optimizer = optimizer
 
-    def step(self, storage, items, outs, scale):
-        masters = storage.master_params
+    def step(self, storage, items, outs, scale, threads=0):
+        masters = storage.master_params  # torch steps on its own threads
         for i, g in items:
             grad = g.to(torch.float32, copy=True)
             if scale != 1.0:
