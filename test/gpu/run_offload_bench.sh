@@ -40,6 +40,8 @@ if [ "${REBUILD:-0}" = 1 ] || { [ "${SKIP_BUILD:-0}" != 1 ] \
      && ! "$PY" -c 'import sys, horovod_zero.torch as h; sys.exit(0 if h.cuda_built() else 1)' 2> /dev/null; }; then
   # The compiler whose libstdc++ python and torch load (see run_on_gpu_machine.sh).
   if [ -x /usr/bin/g++ ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++; fi
+  # liburing for the NVMe modes: the copy test/gpu/liburing_deps.sh made, carried to the machine.
+  if [ -d "$ROOT/build/deps/liburing" ]; then export HVDZ_LIBURING_ROOT=$ROOT/build/deps/liburing; fi
   t0=$(date +%s)
   rm -rf build/cmake
   HVDZ_CMAKE_ARGS="-DHVDZ_BUILD_TESTS=OFF -DHVDZ_CUDA=ON" HVDZ_BUILD_JOBS=$(nproc) "$PY" setup.py -q build_ext --inplace \

@@ -15,7 +15,10 @@ worker and gathers.
   a second reduction of a shard in the same step) is refused, not approximated:
   always, not only when a shard happened to be stepped early, so that every rank
   refuses the same call whatever its timing.
-- The C++ step releases the GIL, so backward's own Python hooks keep running."""
+- The C++ step releases the GIL, so backward's own Python hooks keep running. The
+  worker takes the arrived shards in batches and makes one call of each kind per
+  batch: every call that releases the GIL costs a wait to take it back, up to the
+  interpreter's switch interval while backward's hooks hold it."""
 
 import os
 import threading
