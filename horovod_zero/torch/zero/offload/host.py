@@ -86,7 +86,10 @@ class HostOffload:
             buf.copy_(out, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record()
-        self._copies[s.index] = (ev, out)  # keeps the device shard alive until copied; in stream order
+        # Keeps the device shard alive until copied. In stream order: a shard taken again
+        # (reduced again after an early hand-over) moves to the end, as its new copy did.
+        self._copies.pop(s.index, None)
+        self._copies[s.index] = (ev, out)
         self.stats["d2h_bytes"] += out.numel() * out.element_size()
         self.grads[s.index] = buf
 
