@@ -5,7 +5,9 @@ offload (the reference), DeepSpeed ZeRO-2/3 Offload and ZeRO-3 NVMe (its CPU Ada
 FSDP2's CPUOffloadPolicy with torch's fused CPU AdamW; Llama-3.2-1B-shaped decoder, synthetic
 tokens, bf16, AdamW lr 1e-4 wd 0.1. Each mode runs in a fresh subprocess, so that peak memory,
 pinned host memory and DeepSpeed's global state do not leak between modes; each prints one JSON
-line, and this parent prints the table: median step time, peak GPU memory (max_memory_allocated),
+line, and this parent prints the table: median step time, the mean over the timed steps back to
+back up to the end of the last one's work (zero2-cpu-fwd's host step ends under the next forward:
+the mean counts the last one; the peer ratio is of means), peak GPU memory (max_memory_allocated),
 peak host RSS, disk bytes per step of the NVMe modes, and the disk floor of an NVMe step from the
 O_DIRECT bandwidth of --nvme-path.
 
@@ -55,6 +57,8 @@ _CPU = {"device": "cpu", "pin_memory": True}
 MODES = {  # in the table's order: each of ours beside its peers
     "ddp": Mode("ddp"),
     "zero2-cpu": Mode("ours", dict(stage=2, offload_optimizer="cpu", overlap_step=True)),
+    # ... and the host step's end under the next forward, each module waiting for its own parameters.
+    "zero2-cpu-fwd": Mode("ours", dict(stage=2, offload_optimizer="cpu", overlap_step=True, overlap_param_gather=True)),
     "zero2-cpu-serial": Mode("ours", dict(stage=2, offload_optimizer="cpu", overlap_step=False)),
     "ds2-offload": Mode("deepspeed", dict(stage=2, offload_optimizer=_CPU)),
     "zero3-cpu": Mode("ours", dict(stage=3, offload_params="cpu", offload_optimizer="cpu", overlap_step=True)),
@@ -65,7 +69,7 @@ MODES = {  # in the table's order: each of ours beside its peers
     "disk-floor": Mode("disk", nvme=True),
 }
 # The peer each of ours is measured against: its ratio column.
-PEER = {"zero2-cpu": "ds2-offload", "zero2-cpu-serial": "ds2-offload", "zero3-cpu": "fsdp2-cpu",
+PEER = {"zero2-cpu": "ds2-offload", "zero2-cpu-fwd": "ds2-offload", "zero2-cpu-serial": "ds2-offload", "zero3-cpu": "fsdp2-cpu",
         "zero3-nvme": "disk-floor"}
 DEFAULT_MODES = "ddp,zero2-cpu,zero2-cpu-serial,ds2-offload,zero3-cpu,ds3-offload,fsdp2-cpu"
 
@@ -143,6 +147,7 @@ def ours_step(model, mode, dev, x, y, nvme_dir):
 
     step = train_step(model, opt, x, y)
     step.offload_stats = opt.offload_stats  # cumulative bytes moved by offload
+    step.settle = opt.wait_for_params  # overlap_param_gather: the last step's host step ends
     return step
 
 
@@ -267,14 +272,22 @@ def measure(name, mode, args, dev, nvme_dir):
         torch.cuda.reset_peak_memory_stats()
     for _ in range(warmup):
         step()
+    if hasattr(step, "settle"):
+        step.settle()  # the timed window starts with no host step of a warm-up step left
     sync()
     ours = mode.system == "ours"
     io0, off0 = proc_io(), offload_stats(step) if ours else None
+    t0 = time.perf_counter()
     t = median_time(step, steps, warmup=0)
+    if hasattr(step, "settle"):
+        step.settle()
+        sync()
+    window = time.perf_counter() - t0  # back to back, to the end of the last step's work
     io1, off1 = proc_io(), offload_stats(step) if ours else None
     if args.trace:
         trace_step(step, os.path.join(args.trace, "".join(c if c.isalnum() or c in "-_" else "_" for c in name)))
-    return {"step_s": t, "tokens_per_s": args.micro_batch * cfg["seq"] / t, "steps": steps, "warmup": warmup,
+    return {"step_s": t, "mean_step_s": window / steps, "tokens_per_s": args.micro_batch * cfg["seq"] / t,
+            "steps": steps, "warmup": warmup,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None,
             "rss_peak_gib": rss_peak_gib(), "pinned_peak_gib": pinned_peak_gib() if dev.type == "cuda" else None,
             "proc_io_per_step": per_step(io1, io0, steps), "offload_per_step": per_step(off1, off0, steps),
@@ -282,12 +295,15 @@ def measure(name, mode, args, dev, nvme_dir):
 
 
 def trace_step(step, path):
-    """Profiles one more step; keeps of its trace what shows where the time goes: the GPU's
+    """Profiles two more steps; keeps of their trace what shows where the time goes: the GPU's
     kernels and copies, and the CPU ranges of the bench's phases and of horovod_zero."""
     from torch.profiler import ProfilerActivity, profile
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step()
+        for _ in range(2):  # the second step's forward shows what waits for the first's host step
+            step()
+        if hasattr(step, "settle"):
+            step.settle()
         sync()
     raw = path + ".raw.json"
     prof.export_chrome_trace(raw)
@@ -473,21 +489,23 @@ def disk_cell(r):
 def table(results):
     by = {r["mode"]: r for r in results}
     ref = by.get("ddp", {}).get("step_s")
-    rows = ["| mode | step (ms) | tokens/s | GPU peak (GiB) | host RSS peak (GiB) | torch pinned peak (GiB) "
-            "| disk R/W per step (GB) | vs peer | vs ddp |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| mode | step (ms) | mean (ms) | tokens/s | GPU peak (GiB) | host RSS peak (GiB) | torch pinned peak (GiB) "
+            "| disk R/W per step (GB) | vs peer | vs ddp |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         name = r["mode"]
         if r["status"] != "ok":
-            rows.append(f"| {name} | {r['status']}: {r.get('reason', '')} | | | | | | | |")
+            rows.append(f"| {name} | {r['status']}: {r.get('reason', '')} | | | | | | | | |")
             continue
         t, peer = r["step_s"], PEER.get(name.split("@")[0])
-        peer_t = by.get(peer, {}).get("step_s") if peer else None
-        vs_peer = f"{t / peer_t:.2f}x {peer}" if peer_t else (f"n/a ({peer}: {by.get(peer, {}).get('status', 'not run')})" if peer else "")
+        mean = r.get("mean_step_s", t)
+        peer_r = by.get(peer, {}) if peer else {}
+        peer_t = peer_r.get("mean_step_s", peer_r.get("step_s"))
+        vs_peer = f"{mean / peer_t:.2f}x {peer}" if peer_t else (f"n/a ({peer}: {peer_r.get('status', 'not run')})" if peer else "")
         if name == "disk-floor":
-            rows.append(f"| disk-floor (ours' NVMe floor) | {t * 1e3:.0f} | | | | | "
+            rows.append(f"| disk-floor (ours' NVMe floor) | {t * 1e3:.0f} | | | | | | "
                         f"{OURS_OPTIMIZER_BYTES * r['params'] / 1e9:.1f}/{OURS_OPTIMIZER_BYTES * r['params'] / 1e9:.1f} | | |")
             continue
-        rows.append(f"| {name} | {t * 1e3:.1f} | {r['tokens_per_s']:.0f} | {fmt(r['peak_gib'])} | "
+        rows.append(f"| {name} | {t * 1e3:.1f} | {mean * 1e3:.1f} | {r['tokens_per_s']:.0f} | {fmt(r['peak_gib'])} | "
                     f"{fmt(r['rss_peak_gib'])} | {fmt(r['pinned_peak_gib'])} | {disk_cell(r)} | {vs_peer} | "
                     f"{fmt(t / ref if ref else None)} |")
     return rows
@@ -619,7 +637,7 @@ def main():
     ap.add_argument("--budget", type=float, default=None, help="seconds for the whole run: later modes get what is left")
     ap.add_argument("--json", default=None, help="also write the modes' JSON lines here")
     ap.add_argument("--trace", default=None, metavar="DIR",
-                    help="profile one more step of each mode; DIR/<mode>.trace.json.gz keeps its kernels, copies "
+                    help="profile two more steps of each mode; DIR/<mode>.trace.json.gz keeps its kernels, copies "
                          "and phase ranges")
     ap.add_argument("--merge", nargs="*", default=[], metavar="JSONL",
                     help="earlier runs' --json files, shown in the table first (with --modes '': only them)")

@@ -12,6 +12,7 @@
 #include <omp.h>
 #endif
 
+#include <atomic>
 #include <cmath>
 #include <optional>
 #include <string>
@@ -125,6 +126,49 @@ void ForBlocks(int64_t blocks, int64_t threads, const Fn& fn) {
   fn(0, blocks);
 }
 
+// A batch's work as units of at most kUnitBlocks blocks of one item, taken by the
+// threads one at a time: a thread the scheduler takes off a core (for the threads
+// that launch backward's kernels) holds up one unit, not a fixed share of the batch,
+// and the whole batch is one parallel region instead of one per shard.
+constexpr int64_t kUnitBlocks = 16;  // 64K elements: about 2 MB of traffic
+
+struct Unit {
+  size_t item;
+  int64_t begin, end;  // elements
+};
+
+std::vector<Unit> CutUnits(const std::vector<std::pair<AdamCoeffs, AdamTensors>>& work) {
+  std::vector<Unit> units;
+  for (size_t i = 0; i < work.size(); ++i)
+    for (int64_t b = 0; b < work[i].second.numel; b += kUnitBlocks * kBlock)
+      units.push_back({i, b, std::min(work[i].second.numel, b + kUnitBlocks * kBlock)});
+  return units;
+}
+
+// Runs fn(unit) for each of [0, units): on torch's intra-op threads (a static split)
+// when threads == 0, else on that many threads, each taking the next unit not taken.
+template <typename Fn>
+void ForUnits(int64_t units, int64_t threads, const Fn& fn) {
+  if (threads <= 0) {
+    at::parallel_for(0, units, 1, [&](int64_t b, int64_t e) {
+      for (int64_t u = b; u < e; ++u) fn(u);
+    });
+    return;
+  }
+  const int64_t n = std::max<int64_t>(1, std::min(threads, units));
+#ifdef _OPENMP
+  if (n > 1 && !omp_in_parallel()) {
+    std::atomic<int64_t> next{0};
+#pragma omp parallel num_threads(static_cast<int>(n))
+    for (int64_t u = next.fetch_add(1, std::memory_order_relaxed); u < units;
+         u = next.fetch_add(1, std::memory_order_relaxed))
+      fn(u);
+    return;
+  }
+#endif
+  for (int64_t u = 0; u < units; ++u) fn(u);
+}
+
 void CpuAdamStepPy(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                    const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& out, double lr, double beta1,
                    double beta2, double eps, double weight_decay, int64_t step, bool decoupled, bool maximize,
@@ -183,12 +227,11 @@ void CpuAdamStepBatchPy(const std::vector<py::tuple>& items, const std::string& 
   }
   {
     py::gil_scoped_release nogil;
-    for (const auto& [c, t] : work) {
-      const int64_t blocks = (t.numel + kBlock - 1) / kBlock;
-      ForBlocks(blocks, threads, [&](int64_t b, int64_t e) {
-        CpuAdamStep(isa, c, t, b * kBlock, std::min(e * kBlock, t.numel));
-      });
-    }
+    const std::vector<Unit> units = CutUnits(work);
+    ForUnits(static_cast<int64_t>(units.size()), threads, [&](int64_t u) {
+      const auto& [c, t] = work[units[u].item];
+      CpuAdamStep(isa, c, t, units[u].begin, units[u].end);
+    });
   }
   for (const at::Tensor& w : held) w.unsafeGetTensorImpl()->bump_version();
   for (at::Tensor& count : counts) {

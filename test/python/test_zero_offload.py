@@ -15,7 +15,7 @@ import torch
 import horovod_zero.torch as hvd
 from horovod_zero import _core
 from harness import launch
-from refs import STEPS, adamw, batch, mlp, mse, rank_rows, rel_err, train_reference
+from refs import GLOBAL_BATCH, STEPS, Tied, adamw, batch, mlp, mse, rank_rows, rel_err, tied_batch, train_reference
 
 
 def _on(device):
@@ -101,18 +101,21 @@ def _parity_in_small_chunks(stage, overlap):
     worker._BATCH_NUMEL = 40  # and overlap_step's worker takes a backlog in batches that size
     if not overlap:
         return _parity(stage, "adamw")
+    os.environ["HOROVOD_ZERO_OVERLAP_STEP_THREADS"] = "2"  # two threads taking a batch's shards unit by unit
     model = mlp()
     opt = _wrap(model, "adamw", stage, offload_optimizer="cpu", overlap_step=True)
     _train(model, opt, 1, None)
     return [("overlap", max(rel_err(p, q) for p, q in zip(_weights(model, opt), _reference("adamw", 1, None))),
-             None, set())]
+             opt._offload.sink.threads, set())]
 
 
 @pytest.mark.parametrize("stage,overlap", [(1, False), (2, False), (2, True), (3, False)])
 def test_host_step_in_chunks_matches_reference(ranks, stage, overlap):
     for rank_out in ranks.run(_parity_in_small_chunks, stage, overlap):
-        for mode, err, _, _ in rank_out:
+        for mode, err, threads, _ in rank_out:
             assert err < 1e-5, (mode, err)
+            if mode == "overlap":
+                assert threads == 2, threads  # HOROVOD_ZERO_OVERLAP_STEP_THREADS
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -184,6 +187,84 @@ def test_overlap_step_matches_reference_and_refuses_what_it_cannot_do(ranks, sta
         assert len(refused) == 2, refused
         assert "overlap_step=False to clip" in refused[0]
         assert "reduced a second time in one step" in refused[1]
+
+
+def _halving(opt):
+    """A learning rate halved after every step: the scheduler runs while the host step of
+    the step before may still be going on."""
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+
+def _tied_loss(model, step, lo, hi, dev):
+    ids, target = tied_batch(step, dev)
+    out = model(ids[lo:hi]).reshape(-1, 11)
+    return torch.nn.functional.cross_entropy(out, target.reshape(-1, 5)[lo:hi].reshape(-1))
+
+
+def _overlap_forward(model_name, device="cpu"):
+    """overlap_param_gather with overlap_step: step() returns before the host step ends and
+    each module's forward waits for its own parameters. Against plain torch with the same
+    schedule; then what a read outside forward must do first."""
+    n, r = hvd.size(), hvd.rank()
+    lo, hi = r * GLOBAL_BATCH // n, (r + 1) * GLOBAL_BATCH // n
+    make = (lambda dev: Tied(dev)) if model_name == "tied" else (lambda dev: mlp(device=dev))
+    if model_name == "tied":
+        inner = lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+        loss = lambda m, step, lo, hi: _tied_loss(m, step, lo, hi, next(m.parameters()).device)
+    else:
+        inner = lambda m: adamw(m.named_parameters())
+        loss = lambda m, step, lo, hi: mse(m, *(t[lo:hi].to(next(m.parameters()).device) for t in batch(step, 0)))
+    model = make(_on(device))
+    opt = hvd.DistributedZeroOptimizer(inner(model), model=model, stage=2, offload_optimizer="cpu",
+                                       overlap_step=True, overlap_param_gather=True)
+    sched = _halving(opt.optimizer)
+    for step in range(STEPS):
+        loss(model, step, lo, hi).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    # Right after step(): the checkpoint waits for the last host step (the masters), and so
+    # does model.state_dict() (the parameters).
+    full = hvd.zero.consolidated_state_dict(model, opt)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    ref = make("cpu")
+    ref_opt = inner(ref)
+    ref_sched = _halving(ref_opt)
+    for step in range(STEPS):
+        loss(ref, step, 0, GLOBAL_BATCH).backward()
+        ref_opt.step()
+        ref_sched.step()
+        ref_opt.zero_grad()
+    err = max(rel_err(state[k], v) for k, v in ref.state_dict().items())
+    if full is not None:  # rank 0
+        err = max([err] + [rel_err(full["model"][k], v) for k, v in ref.state_dict().items()])
+    return err, len(opt._offload.sink.position)
+
+
+@pytest.mark.parametrize("model_name", ["mlp", "tied"])
+def test_overlap_param_gather_with_overlap_step_matches_torch(ranks, model_name):
+    for err, positions in ranks.run(_overlap_forward, model_name):
+        assert err < 1e-5, err
+        assert positions > 0  # the forward hooks set the order the worker steps in
+
+
+def _lr_changed_after_backward():
+    model = mlp()
+    opt = _wrap(model, "adamw", 2, offload_optimizer="cpu", overlap_step=True)
+    n, r = hvd.size(), hvd.rank()
+    x, y = batch(0, 0)
+    mse(model, rank_rows(x, r, n), rank_rows(y, r, n)).backward()
+    opt.param_groups[1]["lr"] = 1e-3  # too late: the host step began during backward
+    try:
+        opt.step()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_overlap_step_refuses_a_learning_rate_changed_after_backward(ranks):
+    for msg in ranks.run(_lr_changed_after_backward):
+        assert msg is not None and "param group(s) [1]" in msg and "scheduler.step() right after" in msg, msg
 
 
 def _where(offload, path):
@@ -264,6 +345,7 @@ def _bad_offload_args():
         "nvme_sgd": dict(offload_optimizer="nvme", nvme_path="/tmp", sgd=True),
         "nvme_missing": dict(offload_optimizer="nvme", nvme_path="/nonexistent/hvdz"),
         "nvme_overlap": dict(offload_optimizer="nvme", nvme_path="/tmp", overlap_step=True),
+        "gather_no_overlap_step": dict(offload_optimizer="cpu", overlap_param_gather=True),
     }
     for key, kwargs in cases.items():
         kwargs = dict(kwargs)
@@ -285,7 +367,8 @@ def test_offload_argument_errors_say_what_to_do(ranks):
                   "overlap_no_offload": "needs offload_optimizer", "overlap_stage1": "needs stage=2 or 3",
                   "overlap_fp16": "loss scaling", "overlap_sgd": "Use overlap_step=False",
                   "nvme_sgd": "Use offload_optimizer='cpu' for other optimizers",
-                  "nvme_missing": "/nonexistent/hvdz", "nvme_overlap": "is for offload_optimizer='cpu'"}
+                  "nvme_missing": "/nonexistent/hvdz", "nvme_overlap": "is for offload_optimizer='cpu'",
+                  "gather_no_overlap_step": "needs overlap_step=True"}
         for key, text in expect.items():
             assert errors[key] is not None and text in errors[key], (key, errors[key])
 

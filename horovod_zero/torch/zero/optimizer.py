@@ -200,6 +200,7 @@ class DistributedZeroOptimizer:
         if self._reducer.busy:
             raise RuntimeError("add_param_group() while gradients wait for step(): call it after step() and "
                                "zero_grad(), or before the first backward().")
+        self.wait_for_params()
         if self._offload is not None:
             self._offload.check_add_group()
         group = dict(param_group)
@@ -243,7 +244,10 @@ class DistributedZeroOptimizer:
         self.wait_for_params()
 
     def _wait_hook(self, indices, module, args):
-        if self._gatherer.in_flight:
+        if self._offload is not None:
+            self._offload.params_ready(indices, self._gatherer.gather)
+            self._gatherer.wait(indices, stream_ordered=True)  # released by the next wait_for_params()
+        elif self._gatherer.in_flight:
             self._gatherer.wait(indices)
 
     # --- gradient reduction ----------------------------------------------
@@ -310,9 +314,11 @@ class DistributedZeroOptimizer:
             if self._stage3 is not None:
                 self._offload.step(range(len(self._shards)))
                 self._stage3.reshard_all()  # the next forward gathers the new values
+            elif self._overlap:
+                self._offload.step_deferred(range(len(self._shards)))  # each module's forward waits for its own
             else:
                 self._offload.step(range(len(self._shards)), gather=self._gatherer.gather)
-                self.wait_for_params()  # overlap_param_gather is refused with offload
+                self.wait_for_params()
             return None
         loss = self.optimizer.step(closure)
         self._gather_params(wait=not self._overlap)
@@ -361,6 +367,8 @@ class DistributedZeroOptimizer:
         """Waits until the parameters hold the values of the last step (all of them, or
         the shards at `indices`). Only needed with overlap_param_gather=True, before
         reading parameters outside the model's forward or state_dict()."""
+        if self._offload is not None and self._offload.deferred:
+            self._offload.params_ready(indices, self._gatherer.gather)  # the host step's end
         self._gatherer.wait(indices)
         self._gatherer.release(indices)  # stage 3: gathers the compute stream only waited for
 
@@ -401,7 +409,10 @@ class DistributedZeroOptimizer:
 
     def _materialized(self, write_back=False):
         """With NVMe offload the master shards and optimizer state are on disk: this block
-        has them in memory (and writes them back after it if write_back)."""
+        has them in memory (and writes them back after it if write_back). With
+        overlap_param_gather the host step of the last step may still be writing them:
+        it ends first."""
+        self.wait_for_params()
         return self._offload.materialized(write_back) if self._offload is not None else contextlib.nullcontext()
 
     def state_dict(self):

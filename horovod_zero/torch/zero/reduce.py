@@ -47,6 +47,9 @@ class GradReducer:
 
     def on_grad_ready(self, p):
         """A parameter's gradient is accumulated (post-accumulate-grad hook)."""
+        begin = getattr(self.sink, "begin", None)
+        if begin is not None:
+            begin()  # overlap_step: the step's hyperparameters are the ones backward began with
         if self.coalescing or not self._eager:
             return
         s = self._storage.shard_of[p]

@@ -75,6 +75,14 @@ def adam_step_flat(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tenso
                         isa or chosen_isa(), int(threads))
 
 
+def hyper_of(group) -> tuple:
+    """The hyperparameters of a param group that the step reads: (lr, beta1, beta2, eps,
+    weight_decay, decoupled, maximize)."""
+    b1, b2 = group["betas"]
+    return (float(group["lr"]), float(b1), float(b2), float(group["eps"]), float(group["weight_decay"]),
+            bool(group.get("decoupled_weight_decay", False)), bool(group.get("maximize", False)))
+
+
 def _step_dtype(group) -> torch.dtype:
     # torch/optim/optimizer.py: _get_scalar_dtype
     if group.get("fused") or torch.get_default_dtype() != torch.float64:
@@ -106,13 +114,18 @@ class CpuAdam:
         self.optimizer = optimizer
         self.isa = chosen_isa(env)
 
+    def snapshot(self) -> dict:
+        """Each param group's hyper_of(), by id(group): what step_items(hyper=) takes."""
+        return {id(g): hyper_of(g) for g in self.optimizer.param_groups}
+
     def step_items(self, items: Iterable[Tuple[dict, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]], *,
-                   grad_scale: float = 1.0, threads: int = 0) -> None:
+                   grad_scale: float = 1.0, threads: int = 0, hyper: Optional[dict] = None) -> None:
         """One step of each item (group, param, grad, out): `group` is the param
         group holding `param` (an fp32 CPU tensor), `grad` a CPU tensor of its numel
         in fp32/bf16/fp16, used as grad * grad_scale; `out` None or a CPU tensor of
         its numel in bf16/fp16/fp32 that receives the new param. `threads`: 0 for
-        torch's intra-op threads."""
+        torch's intra-op threads. `hyper`: a snapshot() to step with instead of the
+        groups' values now (a step that runs after its caller moved on)."""
         owner = {id(p): id(g) for g in self.optimizer.param_groups for p in g["params"]}
         batch = []
         for group, param, grad, out in items:
@@ -125,11 +138,9 @@ class CpuAdam:
             if reason is not None:
                 raise ValueError(f"{type(self.optimizer).__name__} {reason} is not covered by the C++ CPU Adam.")
             state = _state(self.optimizer, group, param)
-            b1, b2 = group["betas"]
-            batch.append((param.detach(), grad, state["exp_avg"], state["exp_avg_sq"], out, float(group["lr"]),
-                          float(b1), float(b2), float(group["eps"]), float(group["weight_decay"]), state["step"],
-                          bool(group.get("decoupled_weight_decay", False)), bool(group.get("maximize", False)),
-                          float(grad_scale)))
+            lr, b1, b2, eps, wd, decoupled, maximize = hyper[id(group)] if hyper is not None else hyper_of(group)
+            batch.append((param.detach(), grad, state["exp_avg"], state["exp_avg_sq"], out, lr, b1, b2, eps, wd,
+                          state["step"], decoupled, maximize, float(grad_scale)))
         # One call: the GIL is released once for all of them, and each state["step"] is
         # incremented there, after every item was checked and stepped.
         _core.cpu_adam_step_batch(batch, self.isa, int(threads))

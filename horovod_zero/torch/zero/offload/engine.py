@@ -30,6 +30,11 @@ class Offload:
         if self.sink is not None:
             # The worker thread holds the sink (and so the host shards) until told to end.
             weakref.finalize(self, self.sink.close)
+        # overlap_param_gather: shards stepped (or queued) whose new values the parameters do
+        # not hold yet; the forward hook of the module that owns one waits for it.
+        self.deferred = set()
+        if options.overlap_param_gather:
+            self.sink.position = {}  # filled by the forward hooks: the worker takes shards in that order
         reducer.sink = self.sink if self.sink is not None else self.host
         gatherer.source = self.host.source
         gatherer.source_stream = self.host.gather_stream
@@ -56,6 +61,7 @@ class Offload:
         the next one. Every rank makes the same chunks and calls, whatever it stepped early."""
         early = set()
         if self.sink is not None:
+            self.sink.check_hyper()
             self.sink.wait()
             early = self.sink.stepped
         for chunk in self._chunks(list(indices)):
@@ -66,6 +72,29 @@ class Offload:
             elif gather is not None:
                 gather(chunk)
         self.clear_step()
+
+    def step_deferred(self, indices):
+        """overlap_param_gather: queues the shards not stepped early and returns; the worker
+        steps them in the order the next forward needs them, while it runs (params_ready)."""
+        self.sink.check_hyper()
+        self.sink.defer(indices)
+        self.deferred |= self.sink.stepped
+        self.clear_step()
+
+    def params_ready(self, indices, gather):
+        """Waits until the deferred shards at `indices` (all when None) are stepped; the
+        current stream waits for their copies back, then `gather` (more than one rank)
+        allgathers them. Called by the forward hooks and wait_for_params()."""
+        ready = [i for i in (self.deferred if indices is None else indices) if i in self.deferred]
+        if not ready:
+            return
+        if self.sink.position is not None:
+            for i in ready:
+                self.sink.position.setdefault(i, len(self.sink.position))
+        self.sink.wait_ready(ready)
+        self.deferred.difference_update(ready)
+        if self._st.size > 1:
+            gather(sorted(ready))
 
     def _chunks(self, indices):
         if self.nvme is not None:  # its step streams the state file in its own sub-groups

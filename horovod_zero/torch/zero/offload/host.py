@@ -43,7 +43,10 @@ class HostOffload:
         self.grads = {}       # shard index -> host gradient shard (this step), or None: no rank had one
         self._host_grad = {}  # shard index -> its pinned buffer, kept across steps
         self._copies = {}     # shard index -> (event, device tensor) of its D2H copy in flight
-        self._published = set()  # shards whose new values are already on the device (publish())
+        # Shard index -> version of out[index] that publish() copied to the device: a gather
+        # reads that copy only while out[index] is unchanged since (any step or load of it
+        # bumps the version), and uses the mark up.
+        self._published = {}
         self.out = []         # per shard: the param_dtype copy on the host
         self.rest = []        # stage 3 without offload_params: the param_dtype shard on the device
         self.scale = 1.0      # unscale * clip factor for the step
@@ -135,14 +138,20 @@ class HostOffload:
 
     # --- the step --------------------------------------------------------------
 
-    def step(self, indices, threads=0):
+    def step(self, indices, threads=0, grads=None, hyper=None):
         """Steps the shards at `indices` that have a gradient; writes their param_dtype copies.
-        `threads`: 0 for torch's intra-op threads."""
+        `threads`: 0 for torch's intra-op threads. The overlap worker passes the `grads`
+        (index -> host gradient) and `hyper` (the stepper's snapshot()) it was handed, as
+        the step may run after zero_grad() and a change of the learning rate."""
         self.grads_arrived(indices)
-        items = [(i, self.grads[i]) for i in indices if self.grads.get(i) is not None]
+        grads = self.grads if grads is None else grads
+        items = [(i, grads[i]) for i in indices if grads.get(i) is not None]
         if items:
             with torch.profiler.record_function("hvd_zero.offload.host_step"):
-                self.stepper.step(self._st, items, self.out, self.scale, threads)
+                if hyper is None:
+                    self.stepper.step(self._st, items, self.out, self.scale, threads)
+                else:
+                    self.stepper.step(self._st, items, self.out, self.scale, threads, hyper=hyper)
 
     def refresh(self, indices):
         """out <- master for shards whose master changed outside a step (construction, loads)."""
@@ -151,11 +160,11 @@ class HostOffload:
                 self.out[i].copy_(self._st.master_params[i].detach())
                 if self.rest[i] is not None:
                     self.rest[i].copy_(self.out[i], non_blocking=self._pin)
-        self._published.difference_update(indices)
+        for i in indices:
+            self._published.pop(i, None)
 
     def clear(self):
         self.grads.clear()
-        self._published.clear()
         self.scale = 1.0
 
     # --- parameters out -----------------------------------------------------------
@@ -175,7 +184,7 @@ class HostOffload:
             dsts.append(self.rest[i] if self.rest[i] is not None else self._slot(i, self._st.stores[i]))
             srcs.append(self.out[i])
             self._count_h2d(dsts[-1])
-            self._published.add(i)
+            self._published[i] = self.out[i]._version
         if dsts:  # one call for all: see grads_arrived() on the GIL
             torch._foreach_copy_(dsts, srcs, non_blocking=self._pin)
 
@@ -190,7 +199,7 @@ class HostOffload:
         if self.rest[i] is not None:
             return self.rest[i]
         slot = self._slot(i, store)
-        if i not in self._published or self._st.sharded_params:
+        if self._published.pop(i, None) != self.out[i]._version or self._st.sharded_params:
             slot.copy_(self.out[i], non_blocking=self._pin)
             self._count_h2d(slot)
         return slot

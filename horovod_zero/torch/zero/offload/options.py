@@ -16,6 +16,7 @@ class OffloadOptions:
     nvme_path: Optional[str]
     params: bool               # stage 3 parameter shards at rest in host memory
     overlap_step: bool
+    overlap_param_gather: bool  # stage 2 with overlap_step: step() returns before the host step ends
 
     @classmethod
     def check(cls, offload_optimizer, nvme_path, offload_params, overlap_step, stage, loss_scaling,
@@ -50,10 +51,10 @@ class OffloadOptions:
             if loss_scaling:
                 raise ValueError("overlap_step=True cannot be used with loss scaling (fp16): an overflow is known "
                                  "only once every gradient is in. Use bf16, or overlap_step=False.")
-        if optimizer is not None and overlap_param_gather:
-            raise ValueError("overlap_param_gather=True is not supported with offload_optimizer: the parameters "
-                             "are gathered when the host step's values arrive.")
-        return cls(optimizer, nvme_path, params, bool(overlap_step))
+        if optimizer is not None and overlap_param_gather and not overlap_step:
+            raise ValueError("overlap_param_gather=True with offload_optimizer needs overlap_step=True: the host "
+                             "step then ends under the next forward, each module waiting for its own parameters.")
+        return cls(optimizer, nvme_path, params, bool(overlap_step), bool(overlap_param_gather and optimizer))
 
     def master_device(self, param_device):
         return torch.device("cpu") if self.optimizer is not None else param_device

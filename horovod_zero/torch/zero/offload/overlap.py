@@ -48,11 +48,17 @@ class OverlapSink:
     def __init__(self, host: HostOffload):
         self.host = host
         self._lock = threading.Condition()
-        self._queue, self._submitted, self._finished, self._counted = [], 0, 0, 0
+        # Queued shards: index -> (event, host gradient, hyperparameters, sequence number).
+        self._queue, self._seq, self._closing = {}, 0, False
+        self._pending = set()  # queued or being stepped: their host gradients are in use
+        self._ready = {}       # stepped shards whose values are on their way back -> copy's event
         self._error = None
         self._thread = None
+        self._hyper = None     # the hyperparameters of this step's shards (stepper.snapshot())
         self.stepped = set()   # shard indices stepped early this step
-        self._published = []   # events of the copies back to the device
+        # Forward order (overlap_param_gather): index -> position. The worker takes the
+        # shards the next forward needs first; without it, in the order they came.
+        self.position = None
         self.threads = backward_threads()
         host.stats["stepped_before_step"] = 0
 
@@ -69,94 +75,159 @@ class OverlapSink:
     one_reduction = True  # GradReducer refuses a second reduction of a shard in one step
 
     def take_grad(self, s, outs, early):
+        # The previous step's shard may still be queued (overlap_param_gather: the forward
+        # that needs it waits for it; nothing else does): its host gradient is in use.
+        self.wait_ready([s.index], stream=False)
         self.host.take_grad(s, outs)
-        if not early:
-            return
-        self.stepped.add(s.index)
-        ev = torch.cuda.Event() if outs[0].is_cuda else None
-        if ev is not None:
-            ev.record()  # the compute stream: every use of the parameter in backward is before this
+        if early:
+            self.begin()
+            self.stepped.add(s.index)
+            self._submit([s.index])
+
+    def begin(self):
+        """Backward has begun (GradReducer, at each gradient): the hyperparameters every shard
+        of this step is stepped with are taken now, on every rank at the same point, so that
+        a change before step() is refused on all of them, however far each worker got."""
+        if self._hyper is None:
+            self._hyper = self.host.stepper.snapshot()
+
+    def no_grad(self, s):
+        self.host.no_grad(s)
+
+    def _submit(self, indices):
+        ev = None
+        if self.host.h2d_stream is not None:
+            ev = torch.cuda.Event()
+            ev.record()  # the compute stream: every use of these parameters in backward is before this
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="hvdz-offload-step", daemon=True)
                 self._thread.start()
-            self._queue.append((s.index, ev))
-            self._submitted += 1
+            for i in indices:
+                self._queue[i] = (ev, self.host.grads.get(i), self._hyper, self._seq)
+                self._pending.add(i)
+                self._seq += 1
             self._lock.notify_all()
-
-    def no_grad(self, s):
-        self.host.no_grad(s)
 
     # --- the worker ---------------------------------------------------------------
 
     def _run(self):
         while True:
             with self._lock:
-                while not self._queue:
+                while not self._queue and not self._closing:
                     self._lock.wait()
+                if not self._queue:
+                    return  # close(): ends once every queued shard is stepped
                 batch = self._take_batch()
-            if None in batch:
-                return
+            published = None
             try:
                 if self._error is None:
-                    self._step(batch)
+                    published = self._step(batch)
             except BaseException as e:  # raised on the training thread by wait()
                 self._error = e
             with self._lock:
-                self._finished += len(batch)
+                for i in batch:
+                    self._pending.discard(i)
+                    self._ready[i] = published
                 self._lock.notify_all()
 
     def _take_batch(self):
-        """The queue's head, up to _BATCH_NUMEL elements (at least one shard): a batch's
-        values go back to the device when all of it is stepped, so a large backlog is cut
-        into batches whose copies run while the next is stepped."""
-        shards, numel, n = self.host.shards, 0, 0
-        for item in self._queue:
-            if item is None or (n and numel + shards[item[0]].shard > _BATCH_NUMEL):
-                break  # close()'s None ends the worker once the shards before it are stepped
-            numel += shards[item[0]].shard
-            n += 1
-        n = max(n, 1)
-        batch, self._queue = self._queue[:n], self._queue[n:]
+        """Up to _BATCH_NUMEL elements (at least one shard) of the queue, first in forward
+        order when it is known, else in the order they came: a batch's values go back to
+        the device when all of it is stepped, so a large backlog is cut into batches whose
+        copies run while the next is stepped. Returns index -> queue entry."""
+        shards = self.host.shards
+        order = sorted(self._queue, key=lambda i: self._queue[i][3])
+        if self.position is not None:
+            order.sort(key=lambda i: self.position.get(i, len(shards)))
+        batch, numel = {}, 0
+        hyper = self._queue[order[0]][2]
+        for i in order:
+            if batch and numel + shards[i].shard > _BATCH_NUMEL:
+                break
+            if self._queue[i][2] is not hyper:
+                continue  # another step's shard (one not needed by the forward between): its own batch
+            numel += shards[i].shard
+            batch[i] = self._queue.pop(i)
         return batch
 
     def _step(self, batch):
-        indices = [i for i, _ in batch]
-        self.host.step(indices, threads=self.threads)
-        events = [ev for _, ev in batch if ev is not None]
-        if not events:
+        """Steps the batch and starts its copy back: returns that copy's event (None on the CPU)."""
+        indices = list(batch)
+        hyper = next(iter(batch.values()))[2]  # one step's shards (_take_batch): one snapshot
+        self.host.step(indices, threads=self.threads, grads={i: e[1] for i, e in batch.items()}, hyper=hyper)
+        last = max(batch.values(), key=lambda e: e[3])[0]
+        if last is None:
             self.host.publish(indices)
-            return
+            return None
         stream = self.host.h2d_stream
-        stream.wait_event(events[-1])  # recorded in order on the compute stream: covers the others
+        stream.wait_event(last)  # recorded in order on the compute stream: covers the others
         with torch.cuda.stream(stream):
             self.host.publish(indices)
             done = torch.cuda.Event()
             done.record()
+        return done
+
+    # --- the training thread's side -------------------------------------------------
+
+    def check_hyper(self):
+        """Refuses a step whose shards were stepped early with other hyperparameters than
+        the param groups hold now: the learning rate was changed after backward began."""
+        if self._hyper is None:
+            return
+        now = self.host.stepper.snapshot()
+        if now != self._hyper:
+            groups = [k for k, (a, b) in enumerate(zip(self._hyper.values(), now.values())) if a != b]
+            raise RuntimeError(
+                f"overlap_step=True stepped parameters during backward with the hyperparameters param group(s) "
+                f"{groups} had when backward began, and they changed before step(). Change the learning rate "
+                "(and other hyperparameters) between step() and the next backward, e.g. scheduler.step() right "
+                "after opt.step().")
+
+    def defer(self, indices):
+        """Queues the shards at `indices` that have a gradient and were not stepped early
+        (overlap_param_gather: step() returns before they are stepped)."""
+        self.begin()
+        self.host.stats["stepped_before_step"] += len(self._ready)  # as wait() counts them
+        rest = [i for i in indices if i not in self.stepped and self.host.grads.get(i) is not None]
+        self.stepped.update(rest)
+        if rest:
+            self._submit(rest)
+
+    def wait_ready(self, indices, stream=True):
+        """Waits until the shards at `indices` that are queued or being stepped are stepped,
+        and (stream=True) orders the current stream after their copies back."""
         with self._lock:
-            self._published.append(done)
+            while any(i in self._pending for i in indices):
+                self._lock.wait()
+            events = {self._ready.pop(i, None) for i in indices} if stream else set()
+        for ev in events - {None}:
+            torch.cuda.current_stream().wait_event(ev)
+        self._raise()
 
     def wait(self):
-        """Waits until every shard stepped early is stepped and on its way back; the
-        current stream waits for the copies."""
+        """Waits until every queued shard is stepped and on its way back; the current
+        stream waits for the copies."""
         with torch.profiler.record_function("hvd_zero.offload.wait_early_steps"), self._lock:
             # The evidence of overlap: shards whose host step was done when step() came.
-            self.host.stats["stepped_before_step"] += self._finished - self._counted
-            while self._finished < self._submitted:
+            self.host.stats["stepped_before_step"] += len(self._ready)
+            while self._pending:
                 self._lock.wait()
-            published, self._published = self._published, []
-            self._counted = self._finished
-        for ev in published:
+            events, self._ready = set(self._ready.values()), {}
+        for ev in events - {None}:
             torch.cuda.current_stream().wait_event(ev)
+        self._raise()
+
+    def _raise(self):
         if self._error is not None:
             e, self._error = self._error, None
             raise RuntimeError(f"The offloaded optimizer step failed on its worker thread: {e}") from e
 
     def clear(self):
         self.stepped.clear()
+        self._hyper = None
 
     def close(self):
         with self._lock:
-            if self._thread is not None:
-                self._queue.append(None)
-                self._lock.notify_all()
+            self._closing = True
+            self._lock.notify_all()

@@ -15,13 +15,17 @@ class FastStepper:
         self._optimizer = optimizer
         self._adam = CpuAdam(optimizer)
 
-    def step(self, storage, items, outs, scale, threads=0):
+    def step(self, storage, items, outs, scale, threads=0, hyper=None):
         """items: (shard index, host gradient); writes outs[index] for each. `threads`: 0
-        for torch's intra-op threads."""
+        for torch's intra-op threads. `hyper`: a snapshot() to step with."""
         groups = self._optimizer.param_groups
         masters, shards = storage.master_params, storage.shards
         self._adam.step_items([(groups[shards[i].group], masters[i], g, outs[i]) for i, g in items],
-                              grad_scale=scale, threads=threads)
+                              grad_scale=scale, threads=threads, hyper=hyper)
+
+    def snapshot(self):
+        """The hyperparameters the step reads, as they are now."""
+        return self._adam.snapshot()
 
     def describe(self):
         return f"C++ {type(self._optimizer).__name__} ({chosen_isa()})"
