@@ -62,6 +62,9 @@ MODES = {  # in the table's order: each of ours beside its peers
     "zero2-cpu-serial": Mode("ours", dict(stage=2, offload_optimizer="cpu", overlap_step=False)),
     "ds2-offload": Mode("deepspeed", dict(stage=2, offload_optimizer=_CPU)),
     "zero3-cpu": Mode("ours", dict(stage=3, offload_params="cpu", offload_optimizer="cpu", overlap_step=True)),
+    # ... and the host step's end under the next forward, each gather waiting for its own shards.
+    "zero3-cpu-fwd": Mode("ours", dict(stage=3, offload_params="cpu", offload_optimizer="cpu", overlap_step=True,
+                                       overlap_param_gather=True)),
     "ds3-offload": Mode("deepspeed", dict(stage=3, offload_param=_CPU, offload_optimizer=_CPU)),
     "fsdp2-cpu": Mode("fsdp2"),
     "zero3-nvme": Mode("ours", dict(stage=3, offload_optimizer="nvme"), nvme=True),
@@ -69,9 +72,9 @@ MODES = {  # in the table's order: each of ours beside its peers
     "disk-floor": Mode("disk", nvme=True),
 }
 # The peer each of ours is measured against: its ratio column.
-PEER = {"zero2-cpu": "ds2-offload", "zero2-cpu-fwd": "ds2-offload", "zero2-cpu-serial": "ds2-offload", "zero3-cpu": "fsdp2-cpu",
-        "zero3-nvme": "disk-floor"}
-DEFAULT_MODES = "ddp,zero2-cpu,zero2-cpu-serial,ds2-offload,zero3-cpu,ds3-offload,fsdp2-cpu"
+PEER = {"zero2-cpu": "ds2-offload", "zero2-cpu-fwd": "ds2-offload", "zero2-cpu-serial": "ds2-offload",
+        "zero3-cpu": "fsdp2-cpu", "zero3-cpu-fwd": "fsdp2-cpu", "zero3-nvme": "disk-floor"}
+DEFAULT_MODES = "ddp,zero2-cpu-fwd,zero2-cpu,zero2-cpu-serial,ds2-offload,zero3-cpu-fwd,zero3-cpu,ds3-offload,fsdp2-cpu"
 
 
 def mode_of(name):

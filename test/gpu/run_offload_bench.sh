@@ -3,10 +3,12 @@
 # builds horovod_zero unless a CUDA build is importable, sets DeepSpeed up (deepspeed_env.sh) and
 # compiles its ops once (kept in build/torch_extensions on a warm machine), then runs
 # examples/bench_offload.py on a preset within one device call; logs and JSON lines go to $OUT.
-#   PRESET=fast   ddp, zero2-cpu, zero2-cpu-serial, ds2-offload, zero3-cpu, ds3-offload, fsdp2-cpu
-#   PRESET=ours   ddp, zero2-cpu, zero2-cpu-serial, zero3-cpu     (fast split in two, if one call is too
-#   PRESET=peers  ds2-offload, ds3-offload, fsdp2-cpu              short; bench_offload.py --modes ""
-#                                                                  --merge A.jsonl B.jsonl joins the tables)
+#   PRESET=fast   ddp, zero2-cpu-fwd, zero2-cpu, zero2-cpu-serial, ds2-offload, zero3-cpu-fwd, zero3-cpu,
+#                 ds3-offload, fsdp2-cpu
+#   PRESET=ours   ddp, zero2-cpu-fwd, zero2-cpu, zero2-cpu-serial, zero3-cpu-fwd, zero3-cpu
+#   PRESET=peers  ds2-offload, ds3-offload, fsdp2-cpu
+#                 (ours and peers: fast split in two, if one call is too short; bench_offload.py
+#                 --modes "" --merge A.jsonl B.jsonl joins the tables)
 #   PRESET=nvme   zero3-nvme, ds3-nvme and the disk floor, on NVME_PATH (default build/nvme; >= 30 GB free)
 # MODES overrides the preset's modes, SKIP_BUILD=1 uses the build there is (REBUILD=1: builds anyway),
 # PYTHON the interpreter, BENCH_ARGS adds options (e.g. "--layers 24"), BUDGET (s, default
@@ -24,14 +26,14 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 unset OMP_NUM_THREADS  # the CPU optimizers use every core
 
 case $PRESET in
-  fast)  modes=ddp,zero2-cpu,zero2-cpu-serial,ds2-offload,zero3-cpu,ds3-offload,fsdp2-cpu ;;
-  ours)  modes=ddp,zero2-cpu,zero2-cpu-serial,zero3-cpu ;;
+  fast)  modes=ddp,zero2-cpu-fwd,zero2-cpu,zero2-cpu-serial,ds2-offload,zero3-cpu-fwd,zero3-cpu,ds3-offload,fsdp2-cpu ;;
+  ours)  modes=ddp,zero2-cpu-fwd,zero2-cpu,zero2-cpu-serial,zero3-cpu-fwd,zero3-cpu ;;
   peers) modes=ds2-offload,ds3-offload,fsdp2-cpu ;;
   nvme)  modes=disk-floor,zero3-nvme,ds3-nvme ;;
   *) echo "run_offload_bench: PRESET must be fast, ours, peers or nvme" >&2; exit 2 ;;
 esac
 modes=${MODES:-$modes}
-timeouts="ddp=120,zero2-cpu=150,zero2-cpu-serial=150,zero3-cpu=180,ds2-offload=240,ds3-offload=240,fsdp2-cpu=150"
+timeouts="ddp=120,zero2-cpu=150,zero2-cpu-fwd=150,zero2-cpu-serial=150,zero3-cpu=180,zero3-cpu-fwd=180,ds2-offload=240,ds3-offload=240,fsdp2-cpu=150"
 timeouts="$timeouts,disk-floor=90,zero3-nvme=300,ds3-nvme=360"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2> /dev/null | head -1
 "$PY" -c 'import sys; print("python", sys.version.split()[0])'

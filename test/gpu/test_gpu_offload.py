@@ -35,9 +35,10 @@ def test_overlap_step_on_cuda_matches_the_reference(gpus, stage):
         assert len(refused) == 2, refused
 
 
-@pytest.mark.parametrize("model_name", ["mlp", "tied"])
-def test_overlap_param_gather_with_overlap_step_on_cuda_matches_torch(gpus, model_name):
-    for err, positions in gpus.run(cpu._overlap_forward, model_name, "cuda"):
+@pytest.mark.parametrize("model_name,stage,offload_params", [("mlp", 2, None), ("tied", 2, None), ("mlp", 3, None),
+                                                              ("mlp", 3, "cpu")])
+def test_overlap_param_gather_with_overlap_step_on_cuda_matches_torch(gpus, model_name, stage, offload_params):
+    for err, positions in gpus.run(cpu._overlap_forward, model_name, "cuda", stage, offload_params):
         assert err < 1e-5, err
         assert positions > 0
 
@@ -73,9 +74,10 @@ def test_offload_moves_one_bf16_shard_each_way_per_step(gpus, stage):
         assert stats["h2d_bytes"] == 2 * shard * steps, stats
 
 
-def test_host_step_under_the_next_forward_moves_one_bf16_shard_each_way_per_step(gpus):
-    # The copies back are made as the worker steps; the gathers in the forward hooks read them.
-    for stats, shard, steps in gpus.run(_traffic, 2, True, 6, 1024, True):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_host_step_under_the_next_forward_moves_one_bf16_shard_each_way_per_step(gpus, stage):
+    # The copies back are made as the worker steps; the gathers in the forward read them.
+    for stats, shard, steps in gpus.run(_traffic, stage, True, 6, 1024, True):
         assert stats["d2h_bytes"] == 2 * shard * steps, stats
         assert stats["h2d_bytes"] == 2 * shard * steps, stats
 

@@ -6,6 +6,7 @@ the host too, so these run the offload code paths (host shards, the sink that ta
 reduced gradients, the gather source, the steppers) without the copies; the GPU
 tests (test/gpu/test_gpu_offload.py) run the same workers on CUDA."""
 
+import contextlib
 import copy
 import os
 
@@ -176,7 +177,11 @@ def _overlap(stage, device="cpu"):
         opt.step()
     except RuntimeError as e:
         refused.append(str(e))
-    opt.zero_grad()
+    try:
+        opt.zero_grad()
+    except RuntimeError as e:  # when the first of those backward passes stepped shards already
+        if "cannot be skipped" not in str(e):
+            raise
     return max(errs), refused
 
 
@@ -201,7 +206,7 @@ def _tied_loss(model, step, lo, hi, dev):
     return torch.nn.functional.cross_entropy(out, target.reshape(-1, 5)[lo:hi].reshape(-1))
 
 
-def _overlap_forward(model_name, device="cpu"):
+def _overlap_forward(model_name, device="cpu", stage=2, offload_params=None):
     """overlap_param_gather with overlap_step: step() returns before the host step ends and
     each module's forward waits for its own parameters. Against plain torch with the same
     schedule; then what a read outside forward must do first."""
@@ -215,8 +220,9 @@ def _overlap_forward(model_name, device="cpu"):
         inner = lambda m: adamw(m.named_parameters())
         loss = lambda m, step, lo, hi: mse(m, *(t[lo:hi].to(next(m.parameters()).device) for t in batch(step, 0)))
     model = make(_on(device))
-    opt = hvd.DistributedZeroOptimizer(inner(model), model=model, stage=2, offload_optimizer="cpu",
-                                       overlap_step=True, overlap_param_gather=True)
+    opt = hvd.DistributedZeroOptimizer(inner(model), model=model, stage=stage, offload_optimizer="cpu",
+                                       offload_params=offload_params, overlap_step=True, overlap_param_gather=True,
+                                       units=[torch.nn.Linear])
     sched = _halving(opt.optimizer)
     for step in range(STEPS):
         loss(model, step, lo, hi).backward()
@@ -226,7 +232,8 @@ def _overlap_forward(model_name, device="cpu"):
     # Right after step(): the checkpoint waits for the last host step (the masters), and so
     # does model.state_dict() (the parameters).
     full = hvd.zero.consolidated_state_dict(model, opt)
-    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with opt.gathered_params() if stage == 3 else contextlib.nullcontext():
+        state = {k: v.clone() for k, v in model.state_dict().items()}
     ref = make("cpu")
     ref_opt = inner(ref)
     ref_sched = _halving(ref_opt)
@@ -241,11 +248,133 @@ def _overlap_forward(model_name, device="cpu"):
     return err, len(opt._offload.sink.position)
 
 
-@pytest.mark.parametrize("model_name", ["mlp", "tied"])
-def test_overlap_param_gather_with_overlap_step_matches_torch(ranks, model_name):
-    for err, positions in ranks.run(_overlap_forward, model_name):
+@pytest.mark.parametrize("model_name,stage,offload_params", [("mlp", 2, None), ("tied", 2, None), ("mlp", 3, None),
+                                                              ("mlp", 3, "cpu")])
+def test_overlap_param_gather_with_overlap_step_matches_torch(ranks, model_name, stage, offload_params):
+    for err, positions in ranks.run(_overlap_forward, model_name, "cpu", stage, offload_params):
         assert err < 1e-5, err
         assert positions > 0  # the forward hooks set the order the worker steps in
+
+
+class _Attn(torch.nn.Module):
+    """MultiheadAttention reads out_proj's weights without calling out_proj."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.inp = torch.nn.Linear(16, 16)
+        self.mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+        self.out = torch.nn.Linear(16, 7)
+
+    def forward(self, x):
+        h = self.inp(x).reshape(x.shape[0], 2, 8)
+        return self.out(self.mha(h, h, h, need_weights=False)[0].reshape(x.shape[0], 16))
+
+
+def _attn_forward(units):
+    n, r = hvd.size(), hvd.rank()
+    lo, hi = r * GLOBAL_BATCH // n, (r + 1) * GLOBAL_BATCH // n
+    model, ref = _Attn(), _Attn()
+    opt = hvd.DistributedZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model=model, stage=2,
+                                       offload_optimizer="cpu", overlap_step=True, overlap_param_gather=True,
+                                       units=units)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        x, y = batch(step, 0)
+        mse(model, x[lo:hi], y[lo:hi]).backward()
+        opt.step()
+        opt.zero_grad()
+        mse(ref, x, y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    got = model.state_dict()
+    # in_proj_bias's key part has a zero gradient: Adam makes rounding noise of it.
+    return max(rel_err(got[k], v) for k, v in ref.state_dict().items() if k != "mha.in_proj_bias")
+
+
+@pytest.mark.parametrize("units", [None, [torch.nn.MultiheadAttention]], ids=["root", "units"])
+def test_overlap_param_gather_waits_for_weights_a_module_reads_without_calling(ranks, units):
+    # A unit waits for every parameter under it: MultiheadAttention's forward reads out_proj's.
+    for err in ranks.run(_attn_forward, units):
+        assert err < 1e-5, err
+
+
+class _Branch(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(6)
+        self.a, self.b, self.c = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 7)
+
+    def forward(self, x, use_b):
+        h = self.a(x)
+        return self.c(self.b(h) if use_b else h)
+
+
+def _branching_ranks():
+    """Ranks whose forwards run different modules (as with LayerDrop or experts without
+    tokens): every rank still gathers every parameter, and they end equal."""
+    n, r = hvd.size(), hvd.rank()
+    model = _Branch()
+    opt = hvd.DistributedZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model=model, stage=2,
+                                       offload_optimizer="cpu", overlap_step=True, overlap_param_gather=True,
+                                       units=[torch.nn.Linear])
+    for step in range(3):
+        x, y = batch(step, 0)
+        out = model(x[r::n], step == 0 or r == 0)
+        torch.nn.functional.mse_loss(out, y[r::n]).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.wait_for_params()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return float((hvd.allgather(flat[None]) - flat).abs().max())
+
+
+def test_overlap_param_gather_with_ranks_running_different_modules(ranks):
+    assert all(diff == 0.0 for diff in ranks.run(_branching_ranks))
+
+
+def _slow_backward(model):
+    """Each gradient hook sleeps, so that reductions finish, and shards are stepped, while
+    backward still runs (on the CPU it is otherwise over before any is done)."""
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda _: __import__("time").sleep(0.02))
+
+
+def _skip_and_stale():
+    os.environ["HOROVOD_ZERO_BUCKET_BYTES"] = "1"  # one reduction per parameter
+    n, r = hvd.size(), hvd.rank()
+    out = {}
+    model = mlp()
+    _slow_backward(model)
+    opt = _wrap(model, "adamw", 2, offload_optimizer="cpu", overlap_step=True)
+    x, y = batch(0, 0)
+    mse(model, rank_rows(x, r, n), rank_rows(y, r, n)).backward()
+    out["early"] = len(opt._offload.sink.stepped)
+    try:
+        opt.zero_grad()  # skipping a step whose host step has begun
+    except RuntimeError as e:
+        out["skip"] = str(e)
+    opt.step()
+    # A forward that reads a unit's weight without calling the unit reads it stale.
+    model = mlp()
+    opt = _wrap(model, "adamw", 2, offload_optimizer="cpu", overlap_step=True, overlap_param_gather=True,
+                units=[torch.nn.Linear])
+    stale = lambda x: torch.nn.functional.linear(model[1](model[0](x)), model[2].weight, model[2].bias)
+    for step in range(2):
+        try:
+            torch.nn.functional.mse_loss(stale(rank_rows(x, r, n)), rank_rows(y, r, n)).backward()
+            opt.step()
+        except RuntimeError as e:
+            out["stale"] = str(e)
+            break
+    return out
+
+
+def test_offload_refuses_a_skipped_step_and_a_stale_forward(ranks):
+    for out in ranks.run(_skip_and_stale):
+        assert out["early"] > 0, out  # the scenario happened: shards stepped during backward
+        assert "cannot be skipped" in out.get("skip", ""), out
+        assert "Parameter '2." in out.get("stale", "") and "wait_for_params()" in out["stale"], out
 
 
 def _lr_changed_after_backward():

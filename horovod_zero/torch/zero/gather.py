@@ -12,6 +12,7 @@ import torch
 
 from horovod_zero.torch import mpi_ops
 from horovod_zero.torch.basics import _core
+from horovod_zero.torch.zero.units import assign
 
 
 class ParamGatherer:
@@ -24,6 +25,7 @@ class ParamGatherer:
         # the sources are copied on and the gathers enqueued from (None: the current one).
         self.source = None
         self.source_stream = None
+        self.before = None  # called with a gather's indices first (offload: waits for their host step)
         self._after = {}  # shard index -> (buffer, fp32 copy) to cast once gathered (downcast off)
         self._ordered = {}  # shard index -> handle the stream waits for, not yet synchronized
         # A dropped optimizer lets go of its handles, which hold its buffers in the runtime.
@@ -33,6 +35,8 @@ class ParamGatherer:
         """Enqueues the gathers of the master shards at `indices` into their buffers
         (at stage 3 allocating them first)."""
         st = self._storage
+        if self.before is not None:
+            self.before(indices)
         self.wait(indices)  # one gather of a parameter in flight at a time: the names stay unique
         self.release(indices)
         by_dtype = {}
@@ -84,8 +88,7 @@ class ParamGatherer:
     def release_finished(self):
         """Releases the stream-ordered gathers that have run, without waiting for others."""
         for i, h in list(self._ordered.items()):
-            if mpi_ops.poll(h):
-                del self._ordered[i]
+            if mpi_ops.poll(h) and self._ordered.pop(i, None) is h:
                 mpi_ops.synchronize(h)
 
     def release(self, indices=None):
@@ -97,13 +100,16 @@ class ParamGatherer:
                 mpi_ops.synchronize(h)
 
 
-def hook_forward_waits(model, params, shard_of, weak):
-    """Each module waits, before its forward, for the gather of those of `params` it
-    owns (overlap_param_gather). `weak` makes a hook that does not keep the optimizer
-    alive. Returns the hook handles."""
+def hook_forward_waits(model, unit_modules, params, shard_of, weak):
+    """Each unit's forward, and the model's (the root: whatever no one unit holds), waits
+    before it runs for the gathers of those of `params` it holds (overlap_param_gather);
+    see units.py for which parameters a unit holds. `weak` makes a hook that does not keep
+    the optimizer alive. Returns the hook handles."""
+    per_unit, root = assign(model, unit_modules, shard_of)
+    ours = {shard_of[p].index for p in params}
     hooks = []
-    for m in model.modules():
-        own = tuple(shard_of[p].index for p in m.parameters(recurse=False) if p in params)
+    for m, own in [(model, root)] + list(zip(unit_modules, per_unit)):
+        own = tuple(i for i in own if i in ours)
         if own:
             hooks.append(m.register_forward_pre_hook(weak("_wait_hook", own)))
     return hooks

@@ -41,7 +41,7 @@ from horovod_zero.torch.zero.offload.options import OffloadOptions
 from horovod_zero.torch.zero.reduce import GradReducer
 from horovod_zero.torch.zero.stage3 import Stage3
 from horovod_zero.torch.zero.storage import ShardedStorage
-from horovod_zero.torch.zero.units import find_units
+from horovod_zero.torch.zero.units import find_units, wait_units
 from horovod_zero.torch.zero.weak import weak_hook
 
 
@@ -50,16 +50,18 @@ def _remove_all(handles):
         h.remove()
 
 
-def _check_stage_args(stage, model, units, overlap_param_gather):
+def _check_stage_args(stage, model, units, overlap_param_gather, overlap_step):
     if stage not in (1, 2, 3):
         raise ValueError(f"stage={stage!r}: DistributedZeroOptimizer supports ZeRO stages 1, 2 and 3.")
     if stage == 3 and model is None:
         raise ValueError("stage=3 needs model=: the model's forward hooks gather each unit's parameters.")
-    if stage == 3 and overlap_param_gather:
-        raise ValueError("overlap_param_gather=True is for stages 1 and 2; stage 3 always gathers ahead "
-                         "(HOROVOD_ZERO_PREFETCH units, default 1).")
-    if stage != 3 and units is not None:
-        raise ValueError(f"units= is for stage=3; at stage={stage} every parameter is always whole.")
+    if stage == 3 and overlap_param_gather and not overlap_step:
+        raise ValueError("overlap_param_gather=True is for stages 1 and 2, and at stage 3 for offload with "
+                         "overlap_step=True (the host step then ends under the next forward); stage 3 always "
+                         "gathers ahead (HOROVOD_ZERO_PREFETCH units, default 1).")
+    if stage != 3 and units is not None and not overlap_param_gather:
+        raise ValueError(f"units= is for stage=3 and overlap_param_gather=True; at stage={stage} every parameter "
+                         "is always whole.")
 
 
 def _one_device(params, default):
@@ -105,7 +107,7 @@ class DistributedZeroOptimizer:
                  cast_forward_inputs=True, units=None, reshard_after_forward=True, offload_optimizer=None,
                  nvme_path=None, offload_params=None, overlap_step=False, shard_group=None, process_set=None,
                  reshard_root_after_forward=False):
-        _check_stage_args(stage, model, units, overlap_param_gather)
+        _check_stage_args(stage, model, units, overlap_param_gather, overlap_step)
         if loss_scaler is None and param_dtype == torch.float16:
             loss_scaler = LossScaler()
         offload = OffloadOptions.check(offload_optimizer, nvme_path, offload_params, overlap_step, stage,
@@ -116,6 +118,10 @@ class DistributedZeroOptimizer:
             raise ValueError("overlap_param_gather=True needs model=: the model's forward hooks wait for the gather.")
         self.config = ZeroConfig.from_env()
         unit_modules = find_units(model, units) if stage == 3 else None  # refused before anything changes
+        # overlap_param_gather: the modules whose forward waits for their parameters (all of their
+        # subtree: a module may read a child's weights without calling it, as MultiheadAttention
+        # does out_proj's); the root waits for the rest.
+        self._wait_units = wait_units(model, units) if overlap_param_gather and stage < 3 else None
         remake_state = holds_constructor_state(optimizer)
         self.optimizer = optimizer
         self.stage = stage
@@ -186,8 +192,9 @@ class DistributedZeroOptimizer:
         model = self._model() if self._model is not None else None
         if model is not None:
             self._slots += guard.module_slots(model, params)
-        if self._overlap and model is not None:
-            self._hooks += hook_forward_waits(model, set(params), self._storage.shard_of, self._weak)
+        if self._overlap and model is not None and self.stage < 3:  # stage 3's gathers wait (Offload.before_gather)
+            self._hooks += hook_forward_waits(model, self._wait_units, set(params), self._storage.shard_of,
+                                              self._weak)
         if self.stage >= 2:
             for p in params:
                 if p.requires_grad:
@@ -245,7 +252,7 @@ class DistributedZeroOptimizer:
 
     def _wait_hook(self, indices, module, args):
         if self._offload is not None:
-            self._offload.params_ready(indices, self._gatherer.gather)
+            self._offload.params_ready(indices)  # stepped, copied back and (by the worker) gathered
             self._gatherer.wait(indices, stream_ordered=True)  # released by the next wait_for_params()
         elif self._gatherer.in_flight:
             self._gatherer.wait(indices)
@@ -312,7 +319,10 @@ class DistributedZeroOptimizer:
                 raise ValueError("step(closure) with offload: the step runs on host shards; call the closure "
                                  "(forward and backward) before step().")
             if self._stage3 is not None:
-                self._offload.step(range(len(self._shards)))
+                if self._overlap:
+                    self._offload.step_deferred(range(len(self._shards)))  # each gather waits for its own
+                else:
+                    self._offload.step(range(len(self._shards)))
                 self._stage3.reshard_all()  # the next forward gathers the new values
             elif self._overlap:
                 self._offload.step_deferred(range(len(self._shards)))  # each module's forward waits for its own
@@ -367,8 +377,8 @@ class DistributedZeroOptimizer:
         """Waits until the parameters hold the values of the last step (all of them, or
         the shards at `indices`). Only needed with overlap_param_gather=True, before
         reading parameters outside the model's forward or state_dict()."""
-        if self._offload is not None and self._offload.deferred:
-            self._offload.params_ready(indices, self._gatherer.gather)  # the host step's end
+        if self._offload is not None and self._offload.deferred:  # the host step's end
+            self._offload.params_ready(indices)
         self._gatherer.wait(indices)
         self._gatherer.release(indices)  # stage 3: gathers the compute stream only waited for
 
@@ -387,6 +397,8 @@ class DistributedZeroOptimizer:
         also the gathers a forward that raised left behind."""
         if self._reducer.coalescing:
             raise RuntimeError("zero_grad() inside coalesce_grad_reduction(): call it before the block or after step().")
+        if self._offload is not None:
+            self._offload.check_skip()
         self._reducer.discard()
         if self._stage3 is not None:
             self._stage3.reshard_all()

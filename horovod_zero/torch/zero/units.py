@@ -28,6 +28,14 @@ def find_units(model, units):
     return found
 
 
+def wait_units(model, units):
+    """overlap_param_gather's units: as find_units(), but a model without an nn.ModuleList
+    (and no units=) has none, and the root waits for every parameter."""
+    if units is None and not any(isinstance(m, torch.nn.ModuleList) and len(m) for m in model.modules()):
+        return []
+    return find_units(model, units)
+
+
 def _largest_module_list(model):
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
     if not lists:

@@ -138,7 +138,8 @@ class CpuAdam:
             if reason is not None:
                 raise ValueError(f"{type(self.optimizer).__name__} {reason} is not covered by the C++ CPU Adam.")
             state = _state(self.optimizer, group, param)
-            lr, b1, b2, eps, wd, decoupled, maximize = hyper[id(group)] if hyper is not None else hyper_of(group)
+            # A group added after the snapshot (add_param_group between backward passes) steps as it is.
+            lr, b1, b2, eps, wd, decoupled, maximize = (hyper or {}).get(id(group)) or hyper_of(group)
             batch.append((param.detach(), grad, state["exp_avg"], state["exp_avg_sq"], out, lr, b1, b2, eps, wd,
                           state["step"], decoupled, maximize, float(grad_scale)))
         # One call: the GIL is released once for all of them, and each state["step"] is

@@ -34,7 +34,12 @@ class Offload:
         # not hold yet; the forward hook of the module that owns one waits for it.
         self.deferred = set()
         if options.overlap_param_gather:
-            self.sink.position = {}  # filled by the forward hooks: the worker takes shards in that order
+            self.sink.position = {}  # filled as forward waits: the worker takes shards in that order
+            self.sink.on_take = self._check_waited
+            if storage.sharded_params:
+                gatherer.before = self.before_gather  # stage 3: every gather waits for its shards
+            elif storage.size > 1:
+                self.sink.gather = gatherer.gather
         reducer.sink = self.sink if self.sink is not None else self.host
         gatherer.source = self.host.source
         gatherer.source_stream = self.host.gather_stream
@@ -81,20 +86,43 @@ class Offload:
         self.deferred |= self.sink.stepped
         self.clear_step()
 
-    def params_ready(self, indices, gather):
-        """Waits until the deferred shards at `indices` (all when None) are stepped; the
-        current stream waits for their copies back, then `gather` (more than one rank)
-        allgathers them. Called by the forward hooks and wait_for_params()."""
+    def params_ready(self, indices):
+        """Waits until the deferred shards at `indices` (all when None) are stepped, and
+        at stage 2 their allgathers queued (by the worker); the current stream waits for
+        their copies back. Called by the forward hooks, stage 3's gathers and
+        wait_for_params()."""
         ready = [i for i in (self.deferred if indices is None else indices) if i in self.deferred]
         if not ready:
             return
-        if self.sink.position is not None:
-            for i in ready:
-                self.sink.position.setdefault(i, len(self.sink.position))
+        for i in ready:
+            self.sink.position.setdefault(i, len(self.sink.position))
         self.sink.wait_ready(ready)
         self.deferred.difference_update(ready)
-        if self._st.size > 1:
-            gather(sorted(ready))
+
+    def _check_waited(self, s):
+        """A gradient for a shard whose new values no forward waited for: the forward read
+        it stale (outside the module that holds it), and this step would be wrong."""
+        if s.index in self.deferred:
+            raise RuntimeError(
+                f"Parameter '{s.name}' got a gradient from a forward that read it before its last update was in "
+                "place: with overlap_param_gather=True a parameter is waited for by the forward of the unit (or "
+                "the model) that holds it, and it was used outside that forward. Call opt.wait_for_params() "
+                "before such a forward, pass units= that hold it, or use overlap_param_gather=False.")
+
+    def check_skip(self):
+        """zero_grad() between backward and step(): the step cannot be skipped once the host
+        step of some shards ran during backward."""
+        if self.sink is not None and self.sink.stepped:
+            raise RuntimeError(
+                f"zero_grad() after backward with overlap_step=True: the host step of {len(self.sink.stepped)} "
+                "parameter shard(s) already ran during backward, so this step cannot be skipped. Call step() to "
+                "complete it, or use overlap_step=False to decide after backward whether to step.")
+
+    def before_gather(self, indices):
+        """Stage 3: a gather's sources are the host step's output (copied in by the gather
+        with offload_params, or published to the device copy at rest)."""
+        if self.deferred:
+            self.params_ready(indices)
 
     def _chunks(self, indices):
         if self.nvme is not None:  # its step streams the state file in its own sub-groups

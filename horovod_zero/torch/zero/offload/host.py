@@ -19,6 +19,8 @@ optimizer state in (pinned) host memory, stepped on the CPU.
   are on the host, so the CPU step runs under backward (overlap.py).
 Norms and overflow checks reduce host tensors, so those collectives run over Gloo."""
 
+import threading
+
 import torch
 
 from horovod_zero.torch import mpi_ops
@@ -51,6 +53,7 @@ class HostOffload:
         self.rest = []        # stage 3 without offload_params: the param_dtype shard on the device
         self.scale = 1.0      # unscale * clip factor for the step
         self.stats = {"d2h_bytes": 0, "h2d_bytes": 0}
+        self._stats_lock = threading.Lock()  # the overlap worker counts too
 
     @property
     def shards(self):
@@ -106,13 +109,14 @@ class HostOffload:
         every copy started before it): a thread needing the GIL back after each wait would
         queue behind backward's Python for each."""
         wanted = set(self._copies) if indices is None else set(indices)
-        order = list(self._copies)  # insertion order: the stream's order
-        last = max((k for k, i in enumerate(order) if i in wanted), default=None)
+        order = list(self._copies.items())  # insertion order: the stream's order
+        last = max((k for k, (i, _) in enumerate(order) if i in wanted), default=None)
         if last is None:
             return
-        self._copies[order[last]][0].synchronize()
-        for i in order[:last + 1]:
-            self._copies.pop(i, None)
+        order[last][1][0].synchronize()
+        for i, entry in order[:last + 1]:
+            if self._copies.get(i) is entry:  # not a copy the other thread started meanwhile
+                del self._copies[i]
 
     # --- norms and overflow: host tensors, so Gloo ---------------------------------
 
@@ -190,7 +194,8 @@ class HostOffload:
 
     def _count_h2d(self, t):
         if self._cuda:
-            self.stats["h2d_bytes"] += t.numel() * t.element_size()
+            with self._stats_lock:
+                self.stats["h2d_bytes"] += t.numel() * t.element_size()
 
     def source(self, i, store):
         """The tensor on the parameters' device that the gather of shard i reads: the rest

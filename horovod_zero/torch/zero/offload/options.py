@@ -16,7 +16,7 @@ class OffloadOptions:
     nvme_path: Optional[str]
     params: bool               # stage 3 parameter shards at rest in host memory
     overlap_step: bool
-    overlap_param_gather: bool  # stage 2 with overlap_step: step() returns before the host step ends
+    overlap_param_gather: bool  # with overlap_step: step() returns before the host step ends
 
     @classmethod
     def check(cls, offload_optimizer, nvme_path, offload_params, overlap_step, stage, loss_scaling,
@@ -53,7 +53,8 @@ class OffloadOptions:
                                  "only once every gradient is in. Use bf16, or overlap_step=False.")
         if optimizer is not None and overlap_param_gather and not overlap_step:
             raise ValueError("overlap_param_gather=True with offload_optimizer needs overlap_step=True: the host "
-                             "step then ends under the next forward, each module waiting for its own parameters.")
+                             "step then ends under the next forward, each module (stage 3: each gather) waiting "
+                             "for its own parameters.")
         return cls(optimizer, nvme_path, params, bool(overlap_step), bool(overlap_param_gather and optimizer))
 
     def master_device(self, param_device):

@@ -59,6 +59,11 @@ class OverlapSink:
         # Forward order (overlap_param_gather): index -> position. The worker takes the
         # shards the next forward needs first; without it, in the order they came.
         self.position = None
+        # overlap_param_gather at stage 2 on more than one rank: enqueues the allgathers of
+        # stepped shards. The worker calls it, so every rank gathers every shard it stepped
+        # whatever its forward runs (ranks whose forwards differ would wait for each other).
+        self.gather = None
+        self.on_take = None  # called with each shard taken (Offload: refuses a stale forward)
         self.threads = backward_threads()
         host.stats["stepped_before_step"] = 0
 
@@ -75,6 +80,8 @@ class OverlapSink:
     one_reduction = True  # GradReducer refuses a second reduction of a shard in one step
 
     def take_grad(self, s, outs, early):
+        if early and self.on_take is not None:  # a local gradient (late: another rank's only)
+            self.on_take(s)
         # The previous step's shard may still be queued (overlap_param_gather: the forward
         # that needs it waits for it; nothing else does): its host gradient is in use.
         self.wait_ready([s.index], stream=False)
@@ -113,17 +120,21 @@ class OverlapSink:
 
     def _run(self):
         while True:
+            batch, published = {}, None
             with self._lock:
                 while not self._queue and not self._closing:
                     self._lock.wait()
                 if not self._queue:
                     return  # close(): ends once every queued shard is stepped
-                batch = self._take_batch()
-            published = None
+                try:
+                    batch = self._take_batch()
+                except BaseException as e:  # noqa: BLE001 - reported on the training thread
+                    self._error = self._error or e
+                    batch, self._queue = dict(self._queue), {}
             try:
                 if self._error is None:
                     published = self._step(batch)
-            except BaseException as e:  # raised on the training thread by wait()
+            except BaseException as e:  # noqa: BLE001 - raised on the training thread by every wait
                 self._error = e
             with self._lock:
                 for i in batch:
@@ -159,6 +170,8 @@ class OverlapSink:
         last = max(batch.values(), key=lambda e: e[3])[0]
         if last is None:
             self.host.publish(indices)
+            if self.gather is not None:
+                self.gather(indices)
             return None
         stream = self.host.h2d_stream
         stream.wait_event(last)  # recorded in order on the compute stream: covers the others
@@ -166,6 +179,8 @@ class OverlapSink:
             self.host.publish(indices)
             done = torch.cuda.Event()
             done.record()
+            if self.gather is not None:
+                self.gather(indices)  # its sources are the copies just queued on this stream
         return done
 
     # --- the training thread's side -------------------------------------------------
@@ -176,8 +191,8 @@ class OverlapSink:
         if self._hyper is None:
             return
         now = self.host.stepper.snapshot()
-        if now != self._hyper:
-            groups = [k for k, (a, b) in enumerate(zip(self._hyper.values(), now.values())) if a != b]
+        groups = [k for k, (g, h) in enumerate(now.items()) if self._hyper.get(g, h) != h]  # new groups: as they are
+        if groups:
             raise RuntimeError(
                 f"overlap_step=True stepped parameters during backward with the hyperparameters param group(s) "
                 f"{groups} had when backward began, and they changed before step(). Change the learning rate "
@@ -188,7 +203,8 @@ class OverlapSink:
         """Queues the shards at `indices` that have a gradient and were not stepped early
         (overlap_param_gather: step() returns before they are stepped)."""
         self.begin()
-        self.host.stats["stepped_before_step"] += len(self._ready)  # as wait() counts them
+        with self._lock:
+            self.host.stats["stepped_before_step"] += len(self._ready)  # as wait() counts them
         rest = [i for i in indices if i not in self.stepped and self.host.grads.get(i) is not None]
         self.stepped.update(rest)
         if rest:
@@ -219,9 +235,11 @@ class OverlapSink:
         self._raise()
 
     def _raise(self):
+        # Every later wait raises too: the shards after the failure were not stepped.
         if self._error is not None:
-            e, self._error = self._error, None
-            raise RuntimeError(f"The offloaded optimizer step failed on its worker thread: {e}") from e
+            raise RuntimeError(f"The offloaded optimizer step failed on its worker thread: {self._error}. Shards "
+                               "stepped before it kept their update and the rest did not: restore the model and "
+                               "optimizer from a checkpoint.") from self._error
 
     def clear(self):
         self.stepped.clear()
