@@ -105,6 +105,7 @@ def _parity_in_small_chunks(stage, overlap):
     os.environ["HOROVOD_ZERO_OVERLAP_STEP_THREADS"] = "2"  # two threads taking a batch's shards unit by unit
     model = mlp()
     opt = _wrap(model, "adamw", stage, offload_optimizer="cpu", overlap_step=True)
+    del os.environ["HOROVOD_ZERO_OVERLAP_STEP_THREADS"]  # read at construction
     _train(model, opt, 1, None)
     return [("overlap", max(rel_err(p, q) for p, q in zip(_weights(model, opt), _reference("adamw", 1, None))),
              opt._offload.sink.threads, set())]
@@ -333,6 +334,68 @@ def test_overlap_param_gather_with_ranks_running_different_modules(ranks):
     assert all(diff == 0.0 for diff in ranks.run(_branching_ranks))
 
 
+class _Experts(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(6)
+        self.inp = torch.nn.Linear(16, 16)
+        self.experts = torch.nn.ModuleList([torch.nn.Linear(16, 16) for _ in range(3)])
+        self.out = torch.nn.Linear(16, 7)
+
+    def forward(self, x, k):
+        return self.out(self.experts[k](self.inp(x)))
+
+
+def _own_experts():
+    """Each rank routes to its own expert (top-1 routing, LayerDrop with a per-rank RNG):
+    every rank has gradients the others have none for, and steps them early."""
+    os.environ["HOROVOD_ZERO_BUCKET_BYTES"] = "1"
+    n, r = hvd.size(), hvd.rank()
+    model = _Experts()
+    _slow_backward(model)
+    opt = hvd.DistributedZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model=model, stage=2,
+                                       offload_optimizer="cpu", overlap_step=True, overlap_param_gather=True)
+    for step in range(3):
+        x, y = batch(step, 0)
+        torch.nn.functional.mse_loss(model(x[r::n], r % 3), y[r::n]).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.wait_for_params()
+    del os.environ["HOROVOD_ZERO_BUCKET_BYTES"]  # the pool's processes run other tests after
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return float((hvd.allgather(flat[None]) - flat).abs().max())
+
+
+def test_overlap_param_gather_with_ranks_stepping_different_shards_early(ranks):
+    assert all(diff == 0.0 for diff in ranks.run(_own_experts))
+
+
+def _stale_hybrid():
+    hvd.init()
+    model = mlp()
+    opt = _wrap(model, "adamw", 2, offload_optimizer="cpu", overlap_step=True, overlap_param_gather=True,
+                units=[torch.nn.Linear], shard_group="node")
+    n, r = hvd.size(), hvd.rank()
+    x, y = batch(0, 0)
+    stale = lambda x: torch.nn.functional.linear(model[1](model[0](x)), model[2].weight, model[2].bias)
+    try:
+        for _ in range(2):
+            torch.nn.functional.mse_loss(stale(rank_rows(x, r, n)), rank_rows(y, r, n)).backward()
+            opt.step()
+            opt.zero_grad()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_stale_forward_is_refused_with_hybrid_sharding():
+    # 4 ranks as 2 nodes of 2: shards are stepped at step(), after the cross-node average.
+    env = lambda rank: {"LOCAL_RANK": str(rank % 2), "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": str(rank // 2)}
+    out = launch(_stale_hybrid, 4, env=env, timeout=120)
+    for status, msg in out.values():
+        assert status == "ok" and msg is not None and "before its last update" in msg, out
+
+
 def _slow_backward(model):
     """Each gradient hook sleeps, so that reductions finish, and shards are stepped, while
     backward still runs (on the CPU it is otherwise over before any is done)."""
@@ -355,6 +418,17 @@ def _skip_and_stale():
     except RuntimeError as e:
         out["skip"] = str(e)
     opt.step()
+    # Refused where no shard was stepped early too (one large bucket, reduced at step()): the
+    # ranks must agree whatever their timing.
+    del os.environ["HOROVOD_ZERO_BUCKET_BYTES"]
+    model = mlp()
+    opt = _wrap(model, "adamw", 2, offload_optimizer="cpu", overlap_step=True)
+    mse(model, rank_rows(x, r, n), rank_rows(y, r, n)).backward()
+    try:
+        opt.zero_grad()
+    except RuntimeError as e:
+        out["skip2"] = str(e)
+    opt.step()
     # A forward that reads a unit's weight without calling the unit reads it stale.
     model = mlp()
     opt = _wrap(model, "adamw", 2, offload_optimizer="cpu", overlap_step=True, overlap_param_gather=True,
@@ -374,6 +448,7 @@ def test_offload_refuses_a_skipped_step_and_a_stale_forward(ranks):
     for out in ranks.run(_skip_and_stale):
         assert out["early"] > 0, out  # the scenario happened: shards stepped during backward
         assert "cannot be skipped" in out.get("skip", ""), out
+        assert "cannot be skipped" in out.get("skip2", ""), out
         assert "Parameter '2." in out.get("stale", "") and "wait_for_params()" in out["stale"], out
 
 

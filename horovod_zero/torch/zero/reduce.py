@@ -170,7 +170,7 @@ class GradReducer:
                 if not flag:
                     self.sink.no_grad(s)
                 elif s.index not in self._sunk or len(outs) > 1:
-                    self.sink.take_grad(s, outs, early=False)
+                    self.sink.take_grad(s, outs, early=False, local=self._had_grad.get(s.index, False))
                 continue
             if not flag:
                 # No rank had a gradient: grad None, so the inner optimizer skips the parameter

@@ -112,11 +112,13 @@ class Offload:
     def check_skip(self):
         """zero_grad() between backward and step(): the step cannot be skipped once the host
         step of some shards ran during backward."""
-        if self.sink is not None and self.sink.stepped:
+        # Refused whenever backward began, not only where a shard was stepped: that depends on
+        # each rank's timing, and the ranks must agree.
+        if self.sink is not None and self.sink.began:
             raise RuntimeError(
-                f"zero_grad() after backward with overlap_step=True: the host step of {len(self.sink.stepped)} "
-                "parameter shard(s) already ran during backward, so this step cannot be skipped. Call step() to "
-                "complete it, or use overlap_step=False to decide after backward whether to step.")
+                "zero_grad() after backward with overlap_step=True: the host step of each parameter shard "
+                "starts during backward, so this step cannot be skipped. Call step() to complete it, or use "
+                "overlap_step=False to decide after backward whether to step.")
 
     def before_gather(self, indices):
         """Stage 3: a gather's sources are the host step's output (copied in by the gather

@@ -72,9 +72,9 @@ class HostOffload:
 
     # --- gradients in ---------------------------------------------------------
 
-    def take_grad(self, s, outs, early=False):
+    def take_grad(self, s, outs, early=False, local=False):
         """This step's reduced gradient shard(s) of shard s (their reductions are done):
-        starts the copy to the host."""
+        starts the copy to the host. (`early`, `local`: for overlap.py's sink.)"""
         out = outs[0]
         if len(outs) > 1:  # several reductions this step: summed on the device first
             out = outs[0].float()

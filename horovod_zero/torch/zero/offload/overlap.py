@@ -20,6 +20,7 @@ worker and gathers.
   batch: every call that releases the GIL costs a wait to take it back, up to the
   interpreter's switch interval while backward's hooks hold it."""
 
+import contextlib
 import os
 import threading
 
@@ -63,6 +64,10 @@ class OverlapSink:
         # stepped shards. The worker calls it, so every rank gathers every shard it stepped
         # whatever its forward runs (ranks whose forwards differ would wait for each other).
         self.gather = None
+        # Until step() (defer()), the worker holds the gathers of what it stepped: a rank steps
+        # a shard early only where it had a gradient, the others at their step(), and a rank
+        # waiting in step() for an allgather another rank enqueues only at its own would hang.
+        self._gather_open, self._held = True, []
         self.on_take = None  # called with each shard taken (Offload: refuses a stale forward)
         self.threads = backward_threads()
         host.stats["stepped_before_step"] = 0
@@ -79,8 +84,8 @@ class OverlapSink:
 
     one_reduction = True  # GradReducer refuses a second reduction of a shard in one step
 
-    def take_grad(self, s, outs, early):
-        if early and self.on_take is not None:  # a local gradient (late: another rank's only)
+    def take_grad(self, s, outs, early, local=False):
+        if (early or local) and self.on_take is not None:  # a gradient of this rank's forward
             self.on_take(s)
         # The previous step's shard may still be queued (overlap_param_gather: the forward
         # that needs it waits for it; nothing else does): its host gradient is in use.
@@ -97,6 +102,13 @@ class OverlapSink:
         a change before step() is refused on all of them, however far each worker got."""
         if self._hyper is None:
             self._hyper = self.host.stepper.snapshot()
+            with self._lock:
+                self._gather_open = False
+
+    @property
+    def began(self):
+        """Whether backward has begun since the last step(), on every rank alike."""
+        return self._hyper is not None
 
     def no_grad(self, s):
         self.host.no_grad(s)
@@ -170,8 +182,7 @@ class OverlapSink:
         last = max(batch.values(), key=lambda e: e[3])[0]
         if last is None:
             self.host.publish(indices)
-            if self.gather is not None:
-                self.gather(indices)
+            self._gather_or_hold(indices)
             return None
         stream = self.host.h2d_stream
         stream.wait_event(last)  # recorded in order on the compute stream: covers the others
@@ -179,9 +190,18 @@ class OverlapSink:
             self.host.publish(indices)
             done = torch.cuda.Event()
             done.record()
-            if self.gather is not None:
-                self.gather(indices)  # its sources are the copies just queued on this stream
+            self._gather_or_hold(indices)  # its sources are the copies just queued on this stream
         return done
+
+    def _gather_or_hold(self, indices):
+        if self.gather is None:
+            return
+        with self._lock:
+            hold = not self._gather_open
+            if hold:
+                self._held += indices
+        if not hold:
+            self.gather(indices)
 
     # --- the training thread's side -------------------------------------------------
 
@@ -197,7 +217,7 @@ class OverlapSink:
                 f"overlap_step=True stepped parameters during backward with the hyperparameters param group(s) "
                 f"{groups} had when backward began, and they changed before step(). Change the learning rate "
                 "(and other hyperparameters) between step() and the next backward, e.g. scheduler.step() right "
-                "after opt.step().")
+                "after opt.step(); to complete this step, set them back and call step() again.")
 
     def defer(self, indices):
         """Queues the shards at `indices` that have a gradient and were not stepped early
@@ -209,6 +229,13 @@ class OverlapSink:
         self.stepped.update(rest)
         if rest:
             self._submit(rest)
+        with self._lock:
+            self._gather_open = True
+            held, self._held = self._held, []
+        if held:  # stepped early: their copies back are queued on the side stream already
+            stream = self.host.h2d_stream
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                self.gather(held)
 
     def wait_ready(self, indices, stream=True):
         """Waits until the shards at `indices` that are queued or being stepped are stepped,
