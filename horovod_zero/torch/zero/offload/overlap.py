@@ -231,7 +231,9 @@ class OverlapSink:
             self._submit(rest)
         with self._lock:
             self._gather_open = True
-            held, self._held = self._held, []
+            # A shard stepped again before this (the last step's, held, then this step's) is
+            # gathered once: its slot holds the newest values.
+            held, self._held = list(dict.fromkeys(self._held)), []
         if held:  # stepped early: their copies back are queued on the side stream already
             stream = self.host.h2d_stream
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
