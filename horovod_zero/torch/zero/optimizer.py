@@ -15,8 +15,9 @@
   allgathered straight into the parameters' buffers with output_dtype=param_dtype,
   so the downcast happens in the runtime's copy-in and param_dtype crosses the wire.
   With overlap_param_gather=True, step() returns once the allgather is queued; each
-  module's forward pre-hook waits for its own parameters, so the gather of later
-  layers runs under the compute of earlier ones.
+  unit's forward pre-hook waits for the parameters under it (units.py), so the gather
+  of later layers runs under the compute of earlier ones. With offload and
+  overlap_step, step() returns before the CPU step ends (offload/overlap.py).
 - Because the parameters are views of those buffers, changes to the model after
   wrapping that replace them would silently stop training: step() checks for
   them first, and the model's forward pre-hook checks one parameter (guard.py).
@@ -325,7 +326,7 @@ class DistributedZeroOptimizer:
                     self._offload.step(range(len(self._shards)))
                 self._stage3.reshard_all()  # the next forward gathers the new values
             elif self._overlap:
-                self._offload.step_deferred(range(len(self._shards)))  # each module's forward waits for its own
+                self._offload.step_deferred(range(len(self._shards)))  # each unit's forward waits for its own
             else:
                 self._offload.step(range(len(self._shards)), gather=self._gatherer.gather)
                 self.wait_for_params()
