@@ -28,11 +28,8 @@ namespace {
 
 // Threads take whole blocks, so that each one's range starts on a cache line
 // of a 64-byte-aligned buffer (none shares a line being written) and runs on
-// contiguous memory for the prefetchers. The grain keeps a shard of under 32K
-// elements (about 1 MB of traffic, some microseconds) on one thread, where
-// waking others costs more than it saves.
+// contiguous memory for the prefetchers.
 constexpr int64_t kBlock = 4096;
-constexpr int64_t kGrainBlocks = 8;
 
 bool FloatType(at::ScalarType t, DataType* out) {
   switch (t) {
@@ -99,37 +96,11 @@ void ThrowIfError(const Status& s) {
   if (!s.ok()) throw py::value_error(s.reason());
 }
 
-// Runs fn(first_block, end_block) over [0, blocks): on torch's intra-op threads when
-// threads == 0, else on exactly that many (fewer for a small shard), each taking one
-// contiguous share. A step that runs beside backward takes fewer than all cores, so
-// that the threads launching backward's kernels are not descheduled behind it, and
-// none of its own threads is (the step waits for its slowest thread).
-template <typename Fn>
-void ForBlocks(int64_t blocks, int64_t threads, const Fn& fn) {
-  if (threads <= 0) {
-    at::parallel_for(0, blocks, kGrainBlocks, fn);
-    return;
-  }
-  const int64_t n = std::max<int64_t>(1, std::min(threads, (blocks + kGrainBlocks - 1) / kGrainBlocks));
-#ifdef _OPENMP
-  if (n > 1 && !omp_in_parallel()) {
-#pragma omp parallel num_threads(static_cast<int>(n))
-    {
-      const int64_t tid = omp_get_thread_num(), team = omp_get_num_threads();
-      const int64_t per = (blocks + team - 1) / team;
-      const int64_t b = std::min(blocks, tid * per), e = std::min(blocks, b + per);
-      if (b < e) fn(b, e);
-    }
-    return;
-  }
-#endif
-  fn(0, blocks);
-}
-
-// A batch's work as units of at most kUnitBlocks blocks of one item, taken by the
-// threads one at a time: a thread the scheduler takes off a core (for the threads
-// that launch backward's kernels) holds up one unit, not a fixed share of the batch,
-// and the whole batch is one parallel region instead of one per shard.
+// The work as units of at most kUnitBlocks blocks of one item, taken by the threads
+// one at a time: a thread the scheduler takes off a core (for the threads that launch
+// backward's kernels) holds up one unit, not a fixed share of the work, and a batch of
+// shards is one parallel region instead of one per shard. A shard of one unit or less
+// stays on one thread, where waking others would cost more than it saves.
 constexpr int64_t kUnitBlocks = 16;  // 64K elements: about 2 MB of traffic
 
 struct Unit {
@@ -169,6 +140,16 @@ void ForUnits(int64_t units, int64_t threads, const Fn& fn) {
   for (int64_t u = 0; u < units; ++u) fn(u);
 }
 
+// Steps every item of `work` (checked already), with the GIL released.
+void StepWork(CpuAdamIsa isa, const std::vector<std::pair<AdamCoeffs, AdamTensors>>& work, int64_t threads) {
+  py::gil_scoped_release nogil;
+  const std::vector<Unit> units = CutUnits(work);
+  ForUnits(static_cast<int64_t>(units.size()), threads, [&](int64_t u) {
+    const auto& [c, t] = work[units[u].item];
+    CpuAdamStep(isa, c, t, units[u].begin, units[u].end);
+  });
+}
+
 void CpuAdamStepPy(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                    const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& out, double lr, double beta1,
                    double beta2, double eps, double weight_decay, int64_t step, bool decoupled, bool maximize,
@@ -180,13 +161,7 @@ void CpuAdamStepPy(const at::Tensor& param, const at::Tensor& grad, const at::Te
   ThrowIfError(MakeAdamCoeffs(h, &c));
   ThrowIfError(Prepare(param, grad, exp_avg, exp_avg_sq, out, &t));
   ThrowIfError(ResolveCpuAdamIsa(isa_name, &isa));
-  {
-    py::gil_scoped_release nogil;
-    const int64_t blocks = (t.numel + kBlock - 1) / kBlock;
-    ForBlocks(blocks, threads, [&](int64_t b, int64_t e) {
-      CpuAdamStep(isa, c, t, b * kBlock, std::min(e * kBlock, t.numel));
-    });
-  }
+  StepWork(isa, {{c, t}}, threads);
   // As torch's in-place ops do: autograd sees these tensors changed.
   for (const at::Tensor* w : {&param, &exp_avg, &exp_avg_sq}) w->unsafeGetTensorImpl()->bump_version();
   if (out) out->unsafeGetTensorImpl()->bump_version();
@@ -225,14 +200,7 @@ void CpuAdamStepBatchPy(const std::vector<py::tuple>& items, const std::string& 
     held.insert(held.end(), {param, m, v});
     if (out) held.push_back(*out);
   }
-  {
-    py::gil_scoped_release nogil;
-    const std::vector<Unit> units = CutUnits(work);
-    ForUnits(static_cast<int64_t>(units.size()), threads, [&](int64_t u) {
-      const auto& [c, t] = work[units[u].item];
-      CpuAdamStep(isa, c, t, units[u].begin, units[u].end);
-    });
-  }
+  StepWork(isa, work, threads);
   for (const at::Tensor& w : held) w.unsafeGetTensorImpl()->bump_version();
   for (at::Tensor& count : counts) {
     if (count.scalar_type() == at::kFloat) *count.data_ptr<float>() += 1.0f;

@@ -91,8 +91,7 @@ class OverlapSink:
         # that needs it waits for it; nothing else does): its host gradient is in use.
         self.wait_ready([s.index], stream=False)
         self.host.take_grad(s, outs)
-        if early:
-            self.begin()
+        if early:  # after begin(): the reducer calls it at every gradient
             self.stepped.add(s.index)
             self._submit([s.index])
 
