@@ -3,7 +3,7 @@ and 2, side by side in the same processes, on a 16.8M-parameter MLP (16 x
 Linear(1024, 1024), batch 64, fp32, torch.optim.AdamW(fused=True)).
 
     python examples/bench_cpu_step.py [--ranks 2] [--threads 1] [--steps 10] [--warmup 3]
-                                      [--systems ddp,zero1,zero2] [--pin] [--repeats 1]
+                                      [--systems ddp,zero1,zero2] [--pin] [--repeats 1] [--thread-cpu]
 
 --systems also takes zero2+overlap (overlap_param_gather=True).
 
@@ -24,15 +24,20 @@ step is split into phases timed on the training thread:
 thread, Gloo's threads); with one core per rank, CPU time beyond the training
 thread's competes with it. --pin puts rank r, every thread of it, on the r-th core
 this job may use (as taskset would). Medians over the timed steps, then the median and
-range over ranks and repeats.
+range over ranks and repeats. --thread-cpu adds each thread's CPU time per step (the
+runtime's threads are named hvdz-*), summed over the systems run: name one system
+to read its own.
 """
 
 import argparse
+import faulthandler
 import multiprocessing as mp
 import os
+import queue
 import resource
 import socket
 import statistics
+import threading
 import time
 
 PHASES = ("fwd", "bwd", "reduce", "inner", "gather", "rest")
@@ -41,6 +46,23 @@ PHASES = ("fwd", "bwd", "reduce", "inner", "gather", "rest")
 def cpu_seconds():
     r = resource.getrusage(resource.RUSAGE_SELF)  # every thread of the process
     return r.ru_utime + r.ru_stime
+
+
+def thread_cpu():
+    """CPU seconds of each thread of this process, keyed "name#tid" ("main" is the training thread):
+    which thread's work competes with the training thread for its core."""
+    tick, main = os.sysconf("SC_CLK_TCK"), threading.get_native_id()
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # the thread has exited
+        name = "main" if int(tid) == main else stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[f"{name}#{tid}"] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return out
 
 
 def build_model(torch, width, layers):
@@ -103,6 +125,7 @@ def one_step(torch, net, opt, timer, x):
 
 
 def rank_main(rank, args, port, out):
+    faulthandler.enable()  # a crash in native code prints where it happened
     if args.pin:
         cores = sorted(os.sched_getaffinity(0))  # the cores this job may use, not every core
         os.sched_setaffinity(0, {cores[rank % len(cores)]})
@@ -124,7 +147,10 @@ def rank_main(rank, args, port, out):
     torch.manual_seed(1 + rank)
     x = torch.randn(args.batch, args.width)
     results = {s: [] for s in systems}
+    threads_before = None
     for i in range(args.warmup + args.steps):
+        if i == args.warmup:
+            threads_before = thread_cpu()
         # Turns rotate each step, so no system always runs right after the same one.
         for k in range(len(systems)):
             s = systems[(i + k) % len(systems)]
@@ -134,6 +160,10 @@ def rank_main(rank, args, port, out):
                 results[s].append(ph)
     med = {s: {p: statistics.median(r.get(p, 0.0) for r in rs) * 1e3 for p in PHASES + ("step", "cpu")}
            for s, rs in results.items()}
+    if args.thread_cpu:
+        # Per thread, ms per timed step of all systems together: run one system to read its own.
+        after = thread_cpu()
+        med["threads"] = {n: (t - threads_before.get(n, 0.0)) * 1e3 / args.steps for n, t in after.items()}
     out.put((rank, med))
     if "ddp" in systems:
         dist.destroy_process_group()
@@ -162,7 +192,19 @@ def run_once(args):
     procs = [ctx.Process(target=rank_main, args=(r, args, port, out)) for r in range(args.ranks)]
     for p in procs:
         p.start()
-    res = [out.get(timeout=900) for _ in procs]
+    res, deadline = [], time.monotonic() + 900
+    while len(res) < len(procs):
+        try:
+            res.append(out.get(timeout=5))
+        except queue.Empty:
+            # A rank that died (a signal, a C++ abort) never reports: name it instead of waiting.
+            done = {r for r, _ in res}
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if r not in done and p.exitcode is not None]
+            if dead or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                why = ", ".join(f"rank {r} exit code {c}" for r, c in dead) or "900 s passed"
+                raise SystemExit(f"bench_cpu_step: ranks did not all report ({why}); see their output above")
     for p in procs:
         p.join(timeout=60)
     return res
@@ -180,6 +222,8 @@ def main():
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--pin", action="store_true", help="rank r runs on core r only")
+    ap.add_argument("--thread-cpu", action="store_true",
+                    help="also print each thread's CPU ms per step (all systems together)")
     args = ap.parse_args()
     args.ddp_group = None
     systems = args.systems.split(",")
@@ -188,6 +232,10 @@ def main():
         for rank, med in sorted(run_once(args), key=lambda t: t[0]):
             for s in systems:
                 per[s].append(med[s])
+            if "threads" in med:
+                busy = sorted(med["threads"].items(), key=lambda kv: -kv[1])
+                print(f"repeat {rep} rank {rank}: CPU ms per step by thread: "
+                      + ", ".join(f"{n} {t:.1f}" for n, t in busy), flush=True)
         line = "  ".join(f"{s} {statistics.median(m['step'] for m in per[s][-args.ranks:]):.1f}" for s in systems)
         print(f"repeat {rep}: step ms (median of ranks) {line}", flush=True)
     print(f"\n{args.ranks} ranks x {args.threads} thread(s), {args.layers} x Linear({args.width}), batch {args.batch}, "

@@ -1,6 +1,7 @@
 #include "common/thread_timing.h"
 
 #ifdef __linux__
+#include <pthread.h>
 #include <sys/prctl.h>
 #endif
 
@@ -9,6 +10,14 @@ namespace hvdz {
 void UseFineTimerSlack() {
 #ifdef __linux__
   prctl(PR_SET_TIMERSLACK, 1000UL);  // 1 us, in ns; best effort
+#endif
+}
+
+void NameThisThread(const char* name) {
+#ifdef __linux__
+  pthread_setname_np(pthread_self(), name);  // best effort: longer names are refused
+#else
+  (void)name;
 #endif
 }
 

@@ -8,4 +8,8 @@ namespace hvdz {
 // the start of each of the runtime's threads (it applies to the calling thread).
 void UseFineTimerSlack();
 
+// Names the calling thread (at most 15 characters) so that top -H and
+// /proc/<pid>/task/*/comm tell the runtime's threads from torch's and Gloo's.
+void NameThisThread(const char* name);
+
 }  // namespace hvdz

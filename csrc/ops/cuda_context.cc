@@ -18,6 +18,7 @@ CudaContext::CudaContext(std::unique_ptr<NcclCommunicator> comm, CopyStreams& co
       copies_(copies) {
   finalizer_ = std::thread([this] {
     UseFineTimerSlack();
+    NameThisThread("hvdz-finalize");
     FinalizerLoop();
   });
 }

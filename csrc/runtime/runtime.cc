@@ -43,6 +43,7 @@ Status Runtime::Start() {
     return Status::InvalidArgument("Cannot open HOROVOD_TIMELINE file '" + params_.timeline_path + "'.");
   thread_ = std::thread([this] {
     UseFineTimerSlack();
+    NameThisThread("hvdz-cycle");
     Loop();
   });
   return Status::OK();
