@@ -130,11 +130,10 @@ def ddp_step(model, mode, dev, x, y, nvme_dir):
 
 def ours_step(model, mode, dev, x, y, nvme_dir):
     import horovod_zero.torch as hvd
-    if next(model.parameters()).device != dev:
-        raise Skip("horovod_zero shards a model on the device its parameters are on: build it on the GPU "
-                   "(--init-device gpu)")
     hvd.init()
-    kwargs = dict(mode.options, nvme_path=nvme_dir) if mode.nvme else mode.options
+    kwargs = dict(mode.options, nvme_path=nvme_dir) if mode.nvme else dict(mode.options)
+    if next(model.parameters()).device != dev:
+        kwargs["device"] = dev  # --init-device cpu: each parameter crosses as it is sharded
     try:
         opt = hvd.DistributedZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1),
                                            model=model, param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
@@ -628,8 +627,8 @@ def main():
     ap.add_argument("--layers", type=int, default=None, help="decoder blocks (default 16): to shrink or grow the model")
     ap.add_argument("--init-device", choices=("gpu", "cpu"), default="gpu",
                     help="where the fp32 model is built before the mode wraps it: cpu for models whose fp32 "
-                         "copy does not fit on the GPU (its host memory then counts in the RSS peak; DDP and the "
-                         "peers only)")
+                         "copy does not fit on the GPU (its host memory then counts in the RSS peak; ours wraps "
+                         "it with device=)")
     ap.add_argument("--tiny", action="store_true", help="a tiny model: a smoke test that runs on CPU too")
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 5; NVMe modes 3)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2; NVMe modes 1)")

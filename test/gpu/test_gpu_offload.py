@@ -1,13 +1,15 @@
 """Offload on CUDA: the CPU tests' workers (test_zero_offload.py) with the model on
 the GPU and the optimizer on the host, against the single-process CPU reference;
 the bytes each step moves between device and host; overlap_step's host step
-running before step() is called, while backward still runs; and with
-overlap_param_gather, its end under the next forward."""
+running before step() is called, while backward still runs; with
+overlap_param_gather, its end under the next forward; and a model built on the host,
+wrapped with device=, which crosses to the GPU one parameter at a time."""
 
 import pytest
 import torch
 
 import horovod_zero.torch as hvd
+import test_zero_device as host_built
 import test_zero_offload as cpu
 from harness import on_gpus, shared_pool
 
@@ -92,3 +94,72 @@ def test_nvme_offload_on_cuda_matches_the_reference(gpus, tmp_path):
         for mode, err, step, _ in rank_out:
             assert err < 1e-5, (mode, err)
             assert step.endswith("on NVMe"), step
+
+
+@pytest.mark.parametrize("stage,options", [(2, {}), (3, {}), (2, {"offload_optimizer": "cpu"}),
+                                           (3, {"offload_optimizer": "cpu", "offload_params": "cpu"})],
+                         ids=["stage2", "stage3", "stage2-offload", "stage3-offload-params"])
+def test_host_built_model_wrapped_with_device_trains_on_cuda(gpus, stage, options):
+    for err, placed, target in gpus.run(host_built._host_built, stage, options):
+        assert err < 1e-5, err
+        assert target.startswith("cuda") and placed == {target}, (target, placed)
+
+
+def _wrap_peak(stage, options, layers=16, width=1024):
+    """The GPU memory a host-built model's wrap with device= takes at its peak and keeps
+    after, against the model's fp32 bytes; then one step, to show that it trains."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    fp32_bytes = 4 * sum(p.numel() for p in model.parameters())
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    opt = hvd.DistributedZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, stage=stage,
+                                       param_dtype=torch.bfloat16, device=hvd.device(),
+                                       units=[torch.nn.Linear] if stage == 3 else None, **options)
+    torch.cuda.synchronize()
+    peak, kept = torch.cuda.max_memory_allocated() - base, torch.cuda.memory_allocated() - base
+    x = torch.randn(4, width, device=hvd.device())
+    loss = model(x).float().pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    opt.wait_for_params()
+    return peak, kept, fp32_bytes, bool(torch.isfinite(loss))
+
+
+def test_host_built_model_never_sits_whole_on_the_gpu(gpus):
+    # Stage 3 with everything offloaded: one parameter crosses at a time and is freed.
+    for peak, kept, fp32_bytes, finite in gpus.run(_wrap_peak, 3, {"offload_optimizer": "cpu",
+                                                                   "offload_params": "cpu"}):
+        assert finite
+        assert peak < fp32_bytes / 4, (peak, fp32_bytes)
+        assert kept < fp32_bytes / 16, (kept, fp32_bytes)
+    # Stage 2 offloaded: the bf16 parameters stay on the GPU, half the fp32 model's bytes.
+    for peak, kept, fp32_bytes, finite in gpus.run(_wrap_peak, 2, {"offload_optimizer": "cpu"}):
+        assert finite
+        assert fp32_bytes / 2 <= kept and peak < 0.75 * fp32_bytes, (peak, kept, fp32_bytes)
+
+
+def _host_group_added():
+    """A module built on the host after wrapping, added with add_param_group: it crosses too."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    opt = hvd.DistributedZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, stage=2,
+                                       device=hvd.device())
+    head = torch.nn.Linear(64, 8)
+    head.register_buffer("unused", torch.ones(8))
+    model.append(head)
+    opt.add_param_group({"params": list(head.parameters())})
+    placed = {str(t.device) for t in list(model.parameters()) + list(model.buffers())}
+    before = head.weight.detach().clone()
+    model(torch.randn(4, 64, device=hvd.device())).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    return placed, str(torch.device(hvd.device())), bool((head.weight != before).any())
+
+
+def test_group_added_from_the_host_crosses_too(gpus):
+    for placed, target, moved in gpus.run(_host_group_added):
+        assert placed == {target}, (placed, target)
+        assert moved

@@ -30,8 +30,8 @@ import weakref
 import torch
 
 from horovod_zero.torch import mpi_ops
-from horovod_zero.torch.basics import rank, size
-from horovod_zero.torch.zero import compat, guard, hybrid
+from horovod_zero.torch.basics import cuda_built, rank, size
+from horovod_zero.torch.zero import compat, guard, hybrid, placement
 from horovod_zero.torch.zero.cast import cast_floating
 from horovod_zero.torch.zero.config import ZeroConfig
 from horovod_zero.torch.zero.gather import ParamGatherer, hook_forward_waits
@@ -65,14 +65,6 @@ def _check_stage_args(stage, model, units, overlap_param_gather, overlap_step):
                          "is always whole.")
 
 
-def _one_device(params, default):
-    devices = {p.device for p in params}
-    if len(devices) > 1:
-        raise ValueError(f"Parameters are on several devices {sorted(map(str, devices))}; "
-                         "move the model to one device (hvd.device()) before wrapping.")
-    return devices.pop() if devices else default
-
-
 class DistributedZeroOptimizer:
     """Wraps a torch.optim optimizer with ZeRO sharding: stage 1 (optimizer state),
     2 (gradients too) or 3 (parameters too).
@@ -101,13 +93,18 @@ class DistributedZeroOptimizer:
 
     Optimizers that create state in their constructor (Adagrad) are accepted: that
     state is made again for the shards.
+
+    device= trains the parameters on that device (default: the one they are on):
+    build a model too large for the GPU in fp32 on the host and pass
+    device=hvd.device(). Each parameter moves as it is sharded, and model='s buffers
+    and frozen parameters move too.
     """
 
     def __init__(self, optimizer, model=None, named_parameters=None, stage=2, param_dtype=None,
                  reduce_dtype=None, backward_passes_per_step=1, loss_scaler=None, overlap_param_gather=False,
                  cast_forward_inputs=True, units=None, reshard_after_forward=True, offload_optimizer=None,
                  nvme_path=None, offload_params=None, overlap_step=False, shard_group=None, process_set=None,
-                 reshard_root_after_forward=False):
+                 reshard_root_after_forward=False, device=None):
         _check_stage_args(stage, model, units, overlap_param_gather, overlap_step)
         if loss_scaler is None and param_dtype == torch.float16:
             loss_scaler = LossScaler()
@@ -139,7 +136,10 @@ class DistributedZeroOptimizer:
         self._names = check_names(optimizer, model, named_parameters)
         self._model = weakref.ref(model) if model is not None else None
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        device = _one_device(params, torch.device("cpu"))
+        self._moves = device is not None  # device=: each parameter crosses as it is sharded
+        device = placement.resolve(device, params, torch.device("cpu"), model, cuda_built())
+        if self._moves:
+            placement.move_rest(model, set(params), device)
         self._storage = ShardedStorage(self._rank, self._size, device, offload.master_device(device), param_dtype,
                                        self.config, sharded_params=stage == 3)
         self._storage.shard_set, self._storage.cross_set = groups.shard_set, groups.cross_set
@@ -234,7 +234,12 @@ class DistributedZeroOptimizer:
                 raise ValueError(f"Parameter {name!r} (shape {tuple(p.shape)}) is already in a param group of "
                                  "this optimizer; a parameter can be in one group only.")
             seen.add(p)
-        _one_device(params + self._params[:1], self._device)
+        if self._moves:
+            placement.one_device(params, self._device)
+            if model is not None:
+                placement.move_rest(model, set(params), self._device)
+        else:
+            placement.one_device(params + self._params[:1], self._device)
 
     def _weak(self, method, *bound):
         return weak_hook(self, method, *bound)

@@ -94,7 +94,7 @@ class ShardedStorage:
             store = torch.zeros(s.padded, dtype=dtype, device=self.param_device)
             store[:s.numel].copy_(flat)
         else:
-            host = p.detach().reshape(-1).to("cpu", copy=True)
+            host = p.detach().reshape(-1).to("cpu")  # a copy unless p is on the host already (device=)
             p.data = torch.empty(0, dtype=p.dtype, device=self.param_device)  # free the device copy first
             store = torch.zeros(s.padded, dtype=dtype, device=self.param_device)
             for a in range(0, s.numel, chunk):

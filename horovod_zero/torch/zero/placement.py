@@ -1,0 +1,55 @@
+"""Where the parameters train. By default, on the device they are on when wrapped.
+device= names another: a model too large for the GPU in fp32 is built on the host
+and wrapped with device="cuda". Each parameter then crosses on its own, straight
+into its sharded storage (storage.py), so the whole model is never on the device
+at once: at stage 3 with offload_params only one parameter is there at a time. This
+module moves the rest of the model, which the optimizer does not hold: buffers and
+frozen parameters."""
+
+import torch
+
+
+def one_device(params, default):
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise ValueError(f"Parameters are on several devices {sorted(map(str, devices))}; "
+                         "move the model to one device (hvd.device()) before wrapping, or build it on the "
+                         "host and pass device=hvd.device().")
+    return devices.pop() if devices else default
+
+
+def resolve(device, params, default, model, cuda_built):
+    """The device the parameters train on: `device`, or where they are when it is None."""
+    here = one_device(params, default)
+    if device is None:
+        return here
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device={device!r} is not a device: pass hvd.device(), 'cuda' or 'cpu'.") from e
+    if target.type == "cuda":
+        if not (torch.cuda.is_available() and cuda_built):
+            raise ValueError(f"device={device!r}: this process has no usable CUDA GPU (or horovod_zero was built "
+                             "without CUDA); pass device=hvd.device(), which is the CPU then.")
+        if target.index is None:
+            target = torch.device("cuda", torch.cuda.current_device())
+    elif target.type != "cpu":
+        raise ValueError(f"device={device!r}: horovod_zero trains on CUDA GPUs or the CPU.")
+    if target != here and model is None:
+        raise ValueError(f"device={target} while the parameters are on {here}: pass model= too, so that its "
+                         "buffers move with them.")
+    return target
+
+
+def move_rest(model, held, device):
+    """Moves the model's buffers, and its parameters that are not in `held`, to `device`."""
+    with torch.no_grad():
+        for m in model.modules():
+            for name, b in m._buffers.items():
+                if b is not None and b.device != device:
+                    m._buffers[name] = b.to(device)
+            for p in m._parameters.values():
+                if p is not None and p not in held and p.device != device:
+                    p.data = p.data.to(device)  # the same Parameter: references to it stay valid
+                    if p.grad is not None:
+                        p.grad = p.grad.to(device)
