@@ -231,16 +231,16 @@ def _large_lone_tensors():
     (stream-ordered), so no buffer of their size stays allocated for the job."""
     n, r, dev = hvd.size(), hvd.rank(), hvd.device()
     big = 80 << 20  # elements: 320 MiB of fp32, above twice the 128 MiB default threshold
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
+    torch.cuda.synchronize(dev)
+    base = torch.cuda.memory_allocated(dev)  # this rank's GPU, which need not be the current one
     t = torch.full((big,), float(r + 1), device=dev)
     hvd.broadcast_(t, root_rank=n - 1, name="big.bcast")
     out = hvd.allreduce(t, op=hvd.Sum, name="big.ar")
     rows = (r + 1) * (40 << 20)
     g = hvd.allgather(torch.full((rows,), float(r), device=dev), name="big.ag")
-    torch.cuda.synchronize()
+    torch.cuda.synchronize(dev)
     live = sum(x.numel() * x.element_size() for x in (t, out, g))
-    extra = torch.cuda.memory_allocated() - base - live
+    extra = torch.cuda.memory_allocated(dev) - base - live
     ok = (bool((t == n).all()) and bool((out == n * n).all())
           and all(bool((g[sum((k + 1) * (40 << 20) for k in range(k0)):][:(k0 + 1) * (40 << 20)] == k0).all())
                   for k0 in range(n)))
@@ -258,11 +258,11 @@ def _fused_buffer_is_not_held():
     the op is done, only its inputs and outputs are allocated."""
     dev = hvd.device()
     ins = [torch.randn(1 << 18, device=dev) for _ in range(64)]  # direct groups off: the fusion buffer path
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
+    torch.cuda.synchronize(dev)
+    base = torch.cuda.memory_allocated(dev)  # this rank's GPU, which need not be the current one
     outs = hvd.grouped_allgather(ins, name="held.ag")
-    torch.cuda.synchronize()
-    return torch.cuda.memory_allocated() - base - sum(o.numel() * o.element_size() for o in outs)
+    torch.cuda.synchronize(dev)
+    return torch.cuda.memory_allocated(dev) - base - sum(o.numel() * o.element_size() for o in outs)
 
 
 def test_fused_ops_hold_no_buffer_once_done(gpus_buffer):

@@ -95,12 +95,12 @@ def _gather_overlap(prefetch):
         opt.zero_grad()
     for _ in range(3):
         step()
-    torch.cuda.synchronize()
+    torch.cuda.synchronize(dev)
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(2):
             step()
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(dev)
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "trace.json")
         prof.export_chrome_trace(path)
