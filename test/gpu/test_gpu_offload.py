@@ -164,3 +164,34 @@ def test_group_added_from_the_host_crosses_too(gpus):
     for placed, target, moved in gpus.run(_host_group_added):
         assert placed == {target}, (placed, target)
         assert moved
+
+
+def _host_built_refusals():
+    """What device= refuses before anything moves, and where an index-less 'cuda' trains."""
+    out = {}
+    model = host_built.WithBuffer()
+    model(torch.randn(2, 16)).sum().backward()  # a gradient on the host, from before wrapping
+    try:
+        hvd.DistributedZeroOptimizer(host_built._inner(model), model=model, device=hvd.device())
+    except ValueError as e:
+        out["early_grad"] = str(e)
+    model = host_built.WithBuffer()
+    try:  # refused by the offload's checks, after the device was resolved
+        hvd.DistributedZeroOptimizer(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
+                                     model=model, device=hvd.device(), offload_optimizer="cpu", overlap_step=True)
+    except ValueError as e:
+        out["refused"] = str(e)
+    out["left_on_host"] = {str(t.device) for t in list(model.parameters()) + list(model.buffers())}
+    model = host_built.WithBuffer()
+    hvd.DistributedZeroOptimizer(host_built._inner(model), model=model, device="cuda")
+    out["cuda"] = {str(t.device) for t in list(model.parameters()) + list(model.buffers())}
+    out["local"] = str(hvd.device())
+    return out
+
+
+def test_device_refuses_before_moving_and_cuda_means_this_ranks_gpu(gpus):
+    for out in gpus.run(_host_built_refusals):
+        assert "zero_grad(set_to_none=True)" in out["early_grad"], out
+        assert "overlap_step" in out["refused"], out
+        assert out["left_on_host"] == {"cpu"}, out  # the refused wrap moved nothing
+        assert out["cuda"] == {out["local"]}, out

@@ -65,6 +65,22 @@ def test_host_built_model_wrapped_with_device_matches_torch(ranks, stage, option
         assert placed == {target}, placed
 
 
+def _without_model():
+    """device= naming where the parameters already are needs no model=."""
+    model = mlp()
+    opt = hvd.DistributedZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(), device=hvd.device())
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = batch(0, 0, hvd.device())
+    mse(model, x, y).backward()
+    opt.step()
+    return all(bool((p != q).any()) for p, q in zip(model.parameters(), before))
+
+
+def test_device_where_the_parameters_are_needs_no_model(ranks):
+    assert all(ranks.run(_without_model))
+
+
 def _bad_devices():
     errors = {}
     for key, device in {"tpu": "xla", "nonsense": "not-a-device", "cuda": "cuda"}.items():

@@ -30,7 +30,8 @@ import weakref
 import torch
 
 from horovod_zero.torch import mpi_ops
-from horovod_zero.torch.basics import cuda_built, rank, size
+from horovod_zero.torch.basics import device as local_device
+from horovod_zero.torch.basics import rank, size
 from horovod_zero.torch.zero import compat, guard, hybrid, placement
 from horovod_zero.torch.zero.cast import cast_floating
 from horovod_zero.torch.zero.config import ZeroConfig
@@ -137,9 +138,9 @@ class DistributedZeroOptimizer:
         self._model = weakref.ref(model) if model is not None else None
         params = [p for g in optimizer.param_groups for p in g["params"]]
         self._moves = device is not None  # device=: each parameter crosses as it is sharded
-        device = placement.resolve(device, params, torch.device("cpu"), model, cuda_built())
-        if self._moves:
-            placement.move_rest(model, set(params), device)
+        here = local_device()
+        device = placement.resolve(device, params, torch.device("cpu"), model, here if here.type == "cuda" else None,
+                                   self._names or {})
         self._storage = ShardedStorage(self._rank, self._size, device, offload.master_device(device), param_dtype,
                                        self.config, sharded_params=stage == 3)
         self._storage.shard_set, self._storage.cross_set = groups.shard_set, groups.cross_set
@@ -156,6 +157,8 @@ class DistributedZeroOptimizer:
         self._slots = []
         optimizer.state.clear()  # constructor state for the full parameters: made again for the shards below
         self._shard_groups(0)
+        if self._moves and model is not None:  # after every refusal: a refused wrap moves nothing
+            placement.move_rest(model, set(params), device)
         self._remake_state = remake_state
         if remake_state:
             optimizer.state.update(created_state(optimizer, optimizer.param_groups))
@@ -216,6 +219,9 @@ class DistributedZeroOptimizer:
         self._check_new(params)
         self.optimizer.add_param_group({**group, "params": params})  # validates and fills in the defaults
         self._shard_groups(len(self.optimizer.param_groups) - 1)
+        model = self._model() if self._model is not None else None
+        if self._moves and model is not None:
+            placement.move_rest(model, set(params), self._device)  # the new modules' buffers
         if self._stage3 is not None:
             self._stage3.assign()
         if self._remake_state:
@@ -235,9 +241,7 @@ class DistributedZeroOptimizer:
                                  "this optimizer; a parameter can be in one group only.")
             seen.add(p)
         if self._moves:
-            placement.one_device(params, self._device)
-            if model is not None:
-                placement.move_rest(model, set(params), self._device)
+            placement.check_crossing(params, self._device, model, self._names or {})
         else:
             placement.one_device(params + self._params[:1], self._device)
 

@@ -1,6 +1,6 @@
 """Where the parameters train. By default, on the device they are on when wrapped.
 device= names another: a model too large for the GPU in fp32 is built on the host
-and wrapped with device="cuda". Each parameter then crosses on its own, straight
+and wrapped with device=hvd.device(). Each parameter then crosses on its own, straight
 into its sharded storage (storage.py), so the whole model is never on the device
 at once: at stage 3 with offload_params only one parameter is there at a time. This
 module moves the rest of the model, which the optimizer does not hold: buffers and
@@ -18,27 +18,40 @@ def one_device(params, default):
     return devices.pop() if devices else default
 
 
-def resolve(device, params, default, model, cuda_built):
-    """The device the parameters train on: `device`, or where they are when it is None."""
-    here = one_device(params, default)
+def resolve(device, params, default, model, local_gpu, names):
+    """The device the parameters train on: `device`, or where they are when it is None.
+    `local_gpu`: this rank's GPU (hvd.device()), or None without a usable CUDA path.
+    `names`: parameter -> name, for messages."""
     if device is None:
-        return here
+        return one_device(params, default)
     try:
         target = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"device={device!r} is not a device: pass hvd.device(), 'cuda' or 'cpu'.") from e
     if target.type == "cuda":
-        if not (torch.cuda.is_available() and cuda_built):
+        if local_gpu is None:
             raise ValueError(f"device={device!r}: this process has no usable CUDA GPU (or horovod_zero was built "
                              "without CUDA); pass device=hvd.device(), which is the CPU then.")
         if target.index is None:
-            target = torch.device("cuda", torch.cuda.current_device())
+            target = local_gpu  # this rank's GPU: the current device is cuda:0 on every rank unless set
     elif target.type != "cpu":
         raise ValueError(f"device={device!r}: horovod_zero trains on CUDA GPUs or the CPU.")
-    if target != here and model is None:
-        raise ValueError(f"device={target} while the parameters are on {here}: pass model= too, so that its "
-                         "buffers move with them.")
+    check_crossing(params, target, model, names)
     return target
+
+
+def check_crossing(params, target, model, names):
+    """Refuses what would break once `params` cross to `target`, before anything moves.
+    Each crosses on its own, so they need not start on one device."""
+    away = [p for p in params if p.device != target]
+    if away and model is None:
+        raise ValueError(f"device={target} while parameters are on {away[0].device}: pass model= (instead of "
+                         "named_parameters=), so that the model's buffers move with them.")
+    for p in away:
+        if p.grad is not None:
+            raise ValueError(f"Parameter {names.get(p, '')!r} has a gradient from before wrapping, on "
+                             f"{p.grad.device}; call model.zero_grad(set_to_none=True) before wrapping with "
+                             f"device={target}.")
 
 
 def move_rest(model, held, device):
