@@ -30,7 +30,6 @@ import weakref
 import torch
 
 from horovod_zero.torch import mpi_ops
-from horovod_zero.torch.basics import device as local_device
 from horovod_zero.torch.basics import rank, size
 from horovod_zero.torch.zero import compat, guard, hybrid, placement
 from horovod_zero.torch.zero.cast import cast_floating
@@ -138,9 +137,7 @@ class DistributedZeroOptimizer:
         self._model = weakref.ref(model) if model is not None else None
         params = [p for g in optimizer.param_groups for p in g["params"]]
         self._moves = device is not None  # device=: each parameter crosses as it is sharded
-        here = local_device()
-        device = placement.resolve(device, params, torch.device("cpu"), model, here if here.type == "cuda" else None,
-                                   self._names or {})
+        device = placement.resolve(device, params, model, self._names or {})
         self._storage = ShardedStorage(self._rank, self._size, device, offload.master_device(device), param_dtype,
                                        self.config, sharded_params=stage == 3)
         self._storage.shard_set, self._storage.cross_set = groups.shard_set, groups.cross_set
@@ -158,7 +155,7 @@ class DistributedZeroOptimizer:
         optimizer.state.clear()  # constructor state for the full parameters: made again for the shards below
         self._shard_groups(0)
         if self._moves and model is not None:  # after every refusal: a refused wrap moves nothing
-            placement.move_rest(model, set(params), device)
+            placement.move_rest(model, device)
         self._remake_state = remake_state
         if remake_state:
             optimizer.state.update(created_state(optimizer, optimizer.param_groups))
@@ -221,7 +218,7 @@ class DistributedZeroOptimizer:
         self._shard_groups(len(self.optimizer.param_groups) - 1)
         model = self._model() if self._model is not None else None
         if self._moves and model is not None:
-            placement.move_rest(model, set(params), self._device)  # the new modules' buffers
+            placement.move_rest(model, self._device)  # the new modules' buffers
         if self._stage3 is not None:
             self._stage3.assign()
         if self._remake_state:
@@ -328,17 +325,16 @@ class DistributedZeroOptimizer:
             if closure is not None:
                 raise ValueError("step(closure) with offload: the step runs on host shards; call the closure "
                                  "(forward and backward) before step().")
-            if self._stage3 is not None:
-                if self._overlap:
-                    self._offload.step_deferred(range(len(self._shards)))  # each gather waits for its own
-                else:
-                    self._offload.step(range(len(self._shards)))
-                self._stage3.reshard_all()  # the next forward gathers the new values
-            elif self._overlap:
-                self._offload.step_deferred(range(len(self._shards)))  # each unit's forward waits for its own
+            every = range(len(self._shards))
+            if self._overlap:
+                self._offload.step_deferred(every)  # each unit's forward (stage 3: each gather) waits for its own
+            elif self._stage3 is not None:
+                self._offload.step(every)
             else:
-                self._offload.step(range(len(self._shards)), gather=self._gatherer.gather)
+                self._offload.step(every, gather=self._gatherer.gather)
                 self.wait_for_params()
+            if self._stage3 is not None:
+                self._stage3.reshard_all()  # the next forward gathers the new values
             return None
         loss = self.optimizer.step(closure)
         self._gather_params(wait=not self._overlap)

@@ -8,6 +8,8 @@ frozen parameters."""
 
 import torch
 
+from horovod_zero.torch.basics import device as local_device
+
 
 def one_device(params, default):
     devices = {p.device for p in params}
@@ -18,18 +20,18 @@ def one_device(params, default):
     return devices.pop() if devices else default
 
 
-def resolve(device, params, default, model, local_gpu, names):
+def resolve(device, params, model, names):
     """The device the parameters train on: `device`, or where they are when it is None.
-    `local_gpu`: this rank's GPU (hvd.device()), or None without a usable CUDA path.
     `names`: parameter -> name, for messages."""
     if device is None:
-        return one_device(params, default)
+        return one_device(params, torch.device("cpu"))
     try:
         target = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"device={device!r} is not a device: pass hvd.device(), 'cuda' or 'cpu'.") from e
     if target.type == "cuda":
-        if local_gpu is None:
+        local_gpu = local_device()  # hvd.device(): the CPU without a usable CUDA path
+        if local_gpu.type != "cuda":
             raise ValueError(f"device={device!r}: this process has no usable CUDA GPU (or horovod_zero was built "
                              "without CUDA); pass device=hvd.device(), which is the CPU then.")
         if target.index is None:
@@ -54,15 +56,16 @@ def check_crossing(params, target, model, names):
                              f"device={target}.")
 
 
-def move_rest(model, held, device):
-    """Moves the model's buffers, and its parameters that are not in `held`, to `device`."""
+def move_rest(model, device):
+    """Moves the model's buffers and parameters that are not on `device` yet to it. Called
+    once the optimizer's parameters are sharded there: what is left is what it does not hold."""
     with torch.no_grad():
         for m in model.modules():
             for name, b in m._buffers.items():
                 if b is not None and b.device != device:
                     m._buffers[name] = b.to(device)
             for p in m._parameters.values():
-                if p is not None and p not in held and p.device != device:
+                if p is not None and p.device != device:
                     p.data = p.data.to(device)  # the same Parameter: references to it stay valid
                     if p.grad is not None:
                         p.grad = p.grad.to(device)

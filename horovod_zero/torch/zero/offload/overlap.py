@@ -252,15 +252,12 @@ class OverlapSink:
     def wait(self):
         """Waits until every queued shard is stepped and on its way back; the current
         stream waits for the copies."""
-        with torch.profiler.record_function("hvd_zero.offload.wait_early_steps"), self._lock:
-            # The evidence of overlap: shards whose host step was done when step() came.
-            self.host.stats["stepped_before_step"] += len(self._ready)
-            while self._pending:
-                self._lock.wait()
-            events, self._ready = set(self._ready.values()), {}
-        for ev in events - {None}:
-            torch.cuda.current_stream().wait_event(ev)
-        self._raise()
+        with torch.profiler.record_function("hvd_zero.offload.wait_early_steps"):
+            with self._lock:
+                # The evidence of overlap: shards whose host step was done when step() came.
+                self.host.stats["stepped_before_step"] += len(self._ready)
+                everything = self._pending | set(self._ready)  # only this thread queues more
+            self.wait_ready(everything)
 
     def _raise(self):
         # Every later wait raises too: the shards after the failure were not stepped.
