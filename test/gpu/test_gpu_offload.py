@@ -45,6 +45,11 @@ def test_overlap_param_gather_with_overlap_step_on_cuda_matches_torch(gpus, mode
         assert positions > 0
 
 
+@pytest.mark.parametrize("gpus", on_gpus(2), indirect=True)
+def test_a_late_step_of_a_branch_a_rank_skipped_is_still_gathered_on_cuda(gpus):
+    assert all(diff == 0.0 for diff in gpus.run(cpu._late_worker_for_the_skipped_branch, "cuda", timeout=60))
+
+
 def _traffic(stage, overlap, layers=6, width=1024, gather_overlap=False):
     """Bytes per step each way, and how many shards were stepped before step()."""
     torch.manual_seed(0)

@@ -81,6 +81,7 @@ def _worker(env, inbox, outbox):
 class RankPool:
     def __init__(self, size, env=None, timeout=120):
         self.size = size
+        self.broken = False
         port = free_port()
         self._inboxes = [_CTX.Queue() for _ in range(size)]
         self._outbox = _CTX.Queue()
@@ -98,7 +99,8 @@ class RankPool:
             try:
                 rank, status, value = self._outbox.get(timeout=timeout)
             except queue.Empty:
-                self.close(force=True)
+                self.close(force=True)  # its ranks may be inside a collective: none can be reused
+                self.broken = True
                 raise TimeoutError(f"{what}: not every rank answered within {timeout} s") from None
             if status == "ok":
                 results[rank] = value
@@ -165,9 +167,10 @@ _shared = {}
 
 def shared_pool(size, fusion=True, env=None):
     """A RankPool shared by every test that asks for the same configuration
-    (`env`: extra environment variables); closed at exit."""
+    (`env`: extra environment variables); closed at exit. One that timed out is replaced,
+    so that a hang fails its own test only, not every later one."""
     key = (size, fusion, tuple(sorted((env or {}).items())))
-    if key not in _shared:
+    if key not in _shared or _shared[key].broken:
         full = dict(env or {})
         if not fusion:
             full["HOROVOD_FUSION_THRESHOLD"] = "0"

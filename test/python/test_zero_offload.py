@@ -9,13 +9,15 @@ tests (test/gpu/test_gpu_offload.py) run the same workers on CUDA."""
 import contextlib
 import copy
 import os
+import threading
+import time
 
 import pytest
 import torch
 
 import horovod_zero.torch as hvd
 from horovod_zero import _core
-from harness import launch
+from harness import launch, scoped_env
 from refs import GLOBAL_BATCH, STEPS, Tied, adamw, batch, mlp, mse, rank_rows, rel_err, tied_batch, train_reference
 
 
@@ -311,18 +313,20 @@ class _Branch(torch.nn.Module):
         return self.c(self.b(h) if use_b else h)
 
 
-def _branching_ranks():
-    """Ranks whose forwards run different modules (as with LayerDrop or experts without
-    tokens): every rank still gathers every parameter, and they end equal."""
+def _wrap_branch(model):
+    return hvd.DistributedZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model=model, stage=2,
+                                        offload_optimizer="cpu", overlap_step=True, overlap_param_gather=True,
+                                        units=[torch.nn.Linear])
+
+
+def _train_branching(model, opt):
+    """Three steps in which only rank 0 runs `b` after the first; returns the largest
+    difference between this rank's parameters and the others'."""
     n, r = hvd.size(), hvd.rank()
-    model = _Branch()
-    opt = hvd.DistributedZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model=model, stage=2,
-                                       offload_optimizer="cpu", overlap_step=True, overlap_param_gather=True,
-                                       units=[torch.nn.Linear])
+    dev = next(model.parameters()).device
     for step in range(3):
-        x, y = batch(step, 0)
-        out = model(x[r::n], step == 0 or r == 0)
-        torch.nn.functional.mse_loss(out, y[r::n]).backward()
+        x, y = (t[r::n].to(dev) for t in batch(step, 0))
+        torch.nn.functional.mse_loss(model(x, step == 0 or r == 0), y).backward()
         opt.step()
         opt.zero_grad()
     opt.wait_for_params()
@@ -330,8 +334,40 @@ def _branching_ranks():
     return float((hvd.allgather(flat[None]) - flat).abs().max())
 
 
+def _branching_ranks():
+    """Ranks whose forwards run different modules (as with LayerDrop or experts without
+    tokens): every rank still gathers every parameter, and they end equal."""
+    model = _Branch()
+    return _train_branching(model, _wrap_branch(model))
+
+
 def test_overlap_param_gather_with_ranks_running_different_modules(ranks):
     assert all(diff == 0.0 for diff in ranks.run(_branching_ranks))
+
+
+def _late_worker_for_the_skipped_branch(device="cpu"):
+    """As _branching_ranks, with every rank but 0 stepping `b` late: its forward skips `b`,
+    so nothing waits for b's deferred step, and its next backward begins first. That
+    step's gather was still owed to rank 0, whose forward waits for it; a worker that held
+    it back with the new backward's early steps until the next step() hung both ranks."""
+    model = _Branch().to(_on(device))
+    _slow_backward(model)  # a and c are stepped early, so step() defers b alone
+    with scoped_env(HOROVOD_ZERO_BUCKET_BYTES=1):
+        opt = _wrap_branch(model)
+    late = {s.index for s in opt._shards if s.name.startswith("b.")}
+    step_now = opt._offload.host.step
+
+    def step_late(indices, *args, **kwargs):
+        if hvd.rank() != 0 and late & set(indices) and threading.current_thread().name == "hvdz-offload-step":
+            time.sleep(0.5)
+        return step_now(indices, *args, **kwargs)
+
+    opt._offload.host.step = step_late
+    return _train_branching(model, opt)
+
+
+def test_a_late_step_of_a_branch_this_rank_skipped_is_still_gathered(ranks):
+    assert all(diff == 0.0 for diff in ranks.run(_late_worker_for_the_skipped_branch, timeout=60))
 
 
 class _Experts(torch.nn.Module):

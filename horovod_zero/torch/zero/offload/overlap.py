@@ -64,10 +64,13 @@ class OverlapSink:
         # stepped shards. The worker calls it, so every rank gathers every shard it stepped
         # whatever its forward runs (ranks whose forwards differ would wait for each other).
         self.gather = None
-        # Until step() (defer()), the worker holds the gathers of what it stepped: a rank steps
-        # a shard early only where it had a gradient, the others at their step(), and a rank
-        # waiting in step() for an allgather another rank enqueues only at its own would hang.
-        self._gather_open, self._held = True, []
+        # Until step() (defer()), the worker holds the gathers of what it stepped early for this
+        # step: a rank steps a shard early only where it had a gradient, the others at their
+        # step(), and a rank waiting in step() for an allgather another rank enqueues only at
+        # its own would hang. Only this step's (hyperparameters `_holding`): a shard deferred by
+        # the last step() and stepped after this backward began is owed to ranks whose forward
+        # waits for it now, and holding it hangs them (a rank whose forward skipped its module).
+        self._holding, self._held = None, []
         self.on_take = None  # called with each shard taken (Offload: refuses a stale forward)
         self.threads = backward_threads()
         host.stats["stepped_before_step"] = 0
@@ -102,7 +105,7 @@ class OverlapSink:
         if self._hyper is None:
             self._hyper = self.host.stepper.snapshot()
             with self._lock:
-                self._gather_open = False
+                self._holding = self._hyper
 
     @property
     def began(self):
@@ -181,7 +184,7 @@ class OverlapSink:
         last = max(batch.values(), key=lambda e: e[3])[0]
         if last is None:
             self.host.publish(indices)
-            self._gather_or_hold(indices)
+            self._gather_or_hold(indices, hyper)
             return None
         stream = self.host.h2d_stream
         stream.wait_event(last)  # recorded in order on the compute stream: covers the others
@@ -189,14 +192,14 @@ class OverlapSink:
             self.host.publish(indices)
             done = torch.cuda.Event()
             done.record()
-            self._gather_or_hold(indices)  # its sources are the copies just queued on this stream
+            self._gather_or_hold(indices, hyper)  # its sources are the copies just queued on this stream
         return done
 
-    def _gather_or_hold(self, indices):
+    def _gather_or_hold(self, indices, hyper):
         if self.gather is None:
             return
         with self._lock:
-            hold = not self._gather_open
+            hold = hyper is self._holding
             if hold:
                 self._held += indices
         if not hold:
@@ -229,10 +232,8 @@ class OverlapSink:
         if rest:
             self._submit(rest)
         with self._lock:
-            self._gather_open = True
-            # A shard stepped again before this (the last step's, held, then this step's) is
-            # gathered once: its slot holds the newest values.
-            held, self._held = list(dict.fromkeys(self._held)), []
+            self._holding = None
+            held, self._held = self._held, []  # each once: a shard is reduced once a step
         if held:  # stepped early: their copies back are queued on the side stream already
             stream = self.host.h2d_stream
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
