@@ -313,15 +313,38 @@ class _Branch(torch.nn.Module):
         return self.c(self.b(h) if use_b else h)
 
 
-def _wrap_branch(model):
+def _wrap_branch(model, overlap_param_gather=True):
     return hvd.DistributedZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model=model, stage=2,
-                                        offload_optimizer="cpu", overlap_step=True, overlap_param_gather=True,
-                                        units=[torch.nn.Linear])
+                                        offload_optimizer="cpu", overlap_step=True,
+                                        overlap_param_gather=overlap_param_gather,
+                                        units=[torch.nn.Linear] if overlap_param_gather else None)
+
+
+def _flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _across_ranks(model):
+    """The largest difference between this rank's parameters and the others'."""
+    flat = _flat(model)
+    return float((hvd.allgather(flat[None]) - flat).abs().max())
+
+
+def _late_worker(opt, shards=None):
+    """On every rank but 0 the worker sleeps before it steps any of `shards` (all: None)."""
+    step_now = opt._offload.host.step
+
+    def step_late(indices, *args, **kwargs):
+        if (hvd.rank() != 0 and (shards is None or shards & set(indices))
+                and threading.current_thread().name == "hvdz-offload-step"):
+            time.sleep(0.5)
+        return step_now(indices, *args, **kwargs)
+
+    opt._offload.host.step = step_late
 
 
 def _train_branching(model, opt):
-    """Three steps in which only rank 0 runs `b` after the first; returns the largest
-    difference between this rank's parameters and the others'."""
+    """Three steps in which only rank 0 runs `b` after the first."""
     n, r = hvd.size(), hvd.rank()
     dev = next(model.parameters()).device
     for step in range(3):
@@ -330,8 +353,7 @@ def _train_branching(model, opt):
         opt.step()
         opt.zero_grad()
     opt.wait_for_params()
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    return float((hvd.allgather(flat[None]) - flat).abs().max())
+    return _across_ranks(model)
 
 
 def _branching_ranks():
@@ -354,20 +376,81 @@ def _late_worker_for_the_skipped_branch(device="cpu"):
     _slow_backward(model)  # a and c are stepped early, so step() defers b alone
     with scoped_env(HOROVOD_ZERO_BUCKET_BYTES=1):
         opt = _wrap_branch(model)
-    late = {s.index for s in opt._shards if s.name.startswith("b.")}
-    step_now = opt._offload.host.step
-
-    def step_late(indices, *args, **kwargs):
-        if hvd.rank() != 0 and late & set(indices) and threading.current_thread().name == "hvdz-offload-step":
-            time.sleep(0.5)
-        return step_now(indices, *args, **kwargs)
-
-    opt._offload.host.step = step_late
+    _late_worker(opt, {s.index for s in opt._shards if s.name.startswith("b.")})
     return _train_branching(model, opt)
 
 
 def test_a_late_step_of_a_branch_this_rank_skipped_is_still_gathered(ranks):
     assert all(diff == 0.0 for diff in ranks.run(_late_worker_for_the_skipped_branch, timeout=60))
+
+
+def _step_again_after_a_refusal(overlap_param_gather):
+    """step() refused (the learning rate changed after backward), the rate set back and
+    step() called again, as the message says: the weights are those of a step never
+    refused. The refused call must not have taken the gradients: the retry then found
+    none and stepped only the shards stepped early, and (rank 0 alone runs b) with
+    overlap_param_gather gathered b on rank 0 only and hung."""
+    n, r = hvd.size(), hvd.rank()
+    weights, refused = [], None
+    for refuse in (False, True):
+        model = _Branch()
+        opt = _wrap_branch(model, overlap_param_gather)
+        x, y = (t[r::n] for t in batch(0, 0))
+        torch.nn.functional.mse_loss(model(x, r == 0), y).backward()
+        if refuse:
+            lr = opt.param_groups[0]["lr"]
+            opt.param_groups[0]["lr"] = lr / 10
+            try:
+                opt.step()
+            except RuntimeError as e:
+                refused = str(e)
+            opt.param_groups[0]["lr"] = lr
+        opt.step()
+        opt.zero_grad()
+        opt.wait_for_params()
+        weights.append(_flat(model))
+    return refused, float((weights[1] - weights[0]).abs().max()), _across_ranks(model)
+
+
+@pytest.mark.parametrize("overlap_param_gather", [False, True], ids=["overlap_step", "overlap_param_gather"])
+def test_step_called_again_after_a_refused_one_steps_every_shard(ranks, overlap_param_gather):
+    for refused, diff, across in ranks.run(_step_again_after_a_refusal, overlap_param_gather, timeout=60):
+        assert refused is not None and "changed before step()" in refused, refused
+        assert diff == 0.0 and across == 0.0, (diff, across)
+
+
+def _grads_set_by_hand():
+    """Gradients from torch.autograd.grad set as p.grad, so no backward hook runs, with a
+    late worker on every rank but 0: as many steps through backward give the same weights.
+    The worker held back the gathers of shards it stepped after step() for good (their
+    step had not begun in its eyes), and rank 0's next forward waited for them."""
+    n, r = hvd.size(), hvd.rank()
+    weights = []
+    for by_hand in (False, True):
+        model = mlp()
+        opt = _wrap(model, "adamw", 2, offload_optimizer="cpu", overlap_step=True, overlap_param_gather=True,
+                    units=[torch.nn.Linear])
+        if by_hand:
+            _late_worker(opt)
+        params = list(model.parameters())
+        for step in range(3):
+            x, y = batch(step, 0)
+            loss = mse(model, rank_rows(x, r, n), rank_rows(y, r, n))
+            if by_hand:
+                for p, g in zip(params, torch.autograd.grad(loss, params)):
+                    p.grad = g
+            else:
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+        opt.wait_for_params()
+        weights.append(_flat(model))
+    return float((weights[1] - weights[0]).abs().max()), _across_ranks(model)
+
+
+def test_gradients_set_by_hand_are_stepped_and_gathered(ranks):
+    for diff, across in ranks.run(_grads_set_by_hand, timeout=60):
+        assert diff < 1e-6 and across == 0.0, (diff, across)
 
 
 class _Experts(torch.nn.Module):
@@ -398,8 +481,7 @@ def _own_experts():
         opt.zero_grad()
     opt.wait_for_params()
     del os.environ["HOROVOD_ZERO_BUCKET_BYTES"]  # the pool's processes run other tests after
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    return float((hvd.allgather(flat[None]) - flat).abs().max())
+    return _across_ranks(model)
 
 
 def test_overlap_param_gather_with_ranks_stepping_different_shards_early(ranks):

@@ -311,6 +311,10 @@ class DistributedZeroOptimizer:
         self._check_unchanged()
         if self._stage3 is not None:
             self._stage3.check_at_rest()
+        if self._offload is not None:
+            # Before the reduction is taken: a call refused here changes nothing, so the step
+            # can be called again once the cause is put right.
+            self._offload.check_step(closure)
         self._finish_reduction()
         self._reducer.reduced = False
         self.wait_for_params()  # the inner step writes the master shards a gather may still read
@@ -322,9 +326,6 @@ class DistributedZeroOptimizer:
                     self._offload.skip()
                 return None
         if self._offload is not None:
-            if closure is not None:
-                raise ValueError("step(closure) with offload: the step runs on host shards; call the closure "
-                                 "(forward and backward) before step().")
             every = range(len(self._shards))
             if self._overlap:
                 self._offload.step_deferred(every)  # each unit's forward (stage 3: each gather) waits for its own

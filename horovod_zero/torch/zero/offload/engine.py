@@ -59,6 +59,14 @@ class Offload:
         back after it if write_back; without NVMe it always is."""
         return self.nvme.materialized(write_back) if self.nvme is not None else contextlib.nullcontext()
 
+    def check_step(self, closure):
+        """What step() refuses before it takes this step's gradients."""
+        if closure is not None:
+            raise ValueError("step(closure) with offload: the step runs on host shards; call the closure "
+                             "(forward and backward) before step().")
+        if self.sink is not None:
+            self.sink.check_hyper()
+
     def step(self, indices, gather=None):
         """Steps the host shards at `indices` (those overlap_step has not stepped already).
         `gather` (stages 1 and 2) enqueues the gathers of given shards: it is called chunk by
@@ -66,7 +74,6 @@ class Offload:
         the next one. Every rank makes the same chunks and calls, whatever it stepped early."""
         early = set()
         if self.sink is not None:
-            self.sink.check_hyper()
             self.sink.wait()
             early = self.sink.stepped
         for chunk in self._chunks(list(indices)):
@@ -81,7 +88,6 @@ class Offload:
     def step_deferred(self, indices):
         """overlap_param_gather: queues the shards not stepped early and returns; the worker
         steps them in the order the next forward needs them, while it runs (params_ready)."""
-        self.sink.check_hyper()
         self.sink.defer(indices)
         self.deferred |= self.sink.stepped
         self.clear_step()

@@ -88,6 +88,10 @@ class OverlapSink:
     one_reduction = True  # GradReducer refuses a second reduction of a shard in one step
 
     def take_grad(self, s, outs, early, local=False):
+        if early:
+            # Usually done at backward's first gradient; gradients set without backward's
+            # hooks (p.grad = g) come here first, and must be held as this step's too.
+            self.begin()
         if (early or local) and self.on_take is not None:  # a gradient of this rank's forward
             self.on_take(s)
         # The previous step's shard may still be queued (overlap_param_gather: the forward
@@ -199,7 +203,7 @@ class OverlapSink:
         if self.gather is None:
             return
         with self._lock:
-            hold = hyper is self._holding
+            hold = hyper is not None and hyper is self._holding
             if hold:
                 self._held += indices
         if not hold:
