@@ -535,7 +535,12 @@ def _skip_and_stale():
         opt.zero_grad()  # skipping a step whose host step has begun
     except RuntimeError as e:
         out["skip"] = str(e)
+    try:
+        opt.state_dict()  # some shards of it stepped, others not
+    except RuntimeError as e:
+        out["state"] = str(e)
     opt.step()
+    out["state_after_step"] = sorted(opt.state_dict())
     # Refused where no shard was stepped early too (one large bucket, reduced at step()): the
     # ranks must agree whatever their timing.
     del os.environ["HOROVOD_ZERO_BUCKET_BYTES"]
@@ -562,10 +567,11 @@ def _skip_and_stale():
     return out
 
 
-def test_offload_refuses_a_skipped_step_and_a_stale_forward(ranks):
+def test_offload_refuses_a_skipped_step_a_state_read_mid_step_and_a_stale_forward(ranks):
     for out in ranks.run(_skip_and_stale):
         assert out["early"] > 0, out  # the scenario happened: shards stepped during backward
         assert "cannot be skipped" in out.get("skip", ""), out
+        assert "would mix two steps" in out.get("state", "") and out["state_after_step"], out
         assert "cannot be skipped" in out.get("skip2", ""), out
         assert "Parameter '2." in out.get("stale", "") and "wait_for_params()" in out["stale"], out
 

@@ -431,12 +431,13 @@ class DistributedZeroOptimizer:
         has them in memory (and writes them back after it if write_back). With
         overlap_param_gather the host step of the last step may still be writing them:
         it ends first."""
+        if self._offload is not None:
+            self._offload.check_between_steps()
         self.wait_for_params()
         return self._offload.materialized(write_back) if self._offload is not None else contextlib.nullcontext()
 
     def state_dict(self):
         """This rank's shard: its master weights and inner optimizer state."""
-        self.wait_for_params()
         with self._materialized():
             out = self._state_dict()
         return out

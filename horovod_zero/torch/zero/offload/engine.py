@@ -126,6 +126,17 @@ class Offload:
                 "starts during backward, so this step cannot be skipped. Call step() to complete it, or use "
                 "overlap_step=False to decide after backward whether to step.")
 
+    def check_between_steps(self):
+        """The whole state read or loaded (state_dict(), checkpoints, export): refused between
+        backward and step() with overlap_step, where the host step of this step's shards has
+        begun and not ended, so the state would mix two steps (on every rank alike, as
+        check_skip)."""
+        if self.sink is not None and self.sink.began:
+            raise RuntimeError(
+                "The optimizer's state was read or loaded (state_dict(), load_state_dict(), a checkpoint or an "
+                "export) between backward and step() with overlap_step=True: the host step of this step's "
+                "parameter shards began during backward, so the state would mix two steps. Do it after step().")
+
     def before_gather(self, indices):
         """Stage 3: a gather's sources are the host step's output (copied in by the gather
         with offload_params, or published to the device copy at rest)."""
