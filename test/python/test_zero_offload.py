@@ -496,14 +496,19 @@ def _stale_hybrid():
     n, r = hvd.size(), hvd.rank()
     x, y = batch(0, 0)
     stale = lambda x: torch.nn.functional.linear(model[1](model[0](x)), model[2].weight, model[2].bias)
+    refused = None
     try:
         for _ in range(2):
             torch.nn.functional.mse_loss(stale(rank_rows(x, r, n)), rank_rows(y, r, n)).backward()
             opt.step()
             opt.zero_grad()
     except RuntimeError as e:
-        return str(e)
-    return None
+        refused = str(e)
+    # Every rank refuses at the same point, with no collective left open: they all get here.
+    # Without it, the first to return exits, and a slower rank still in the step's last
+    # collective is told that rank shut down instead of why.
+    hvd.allreduce(torch.zeros(1), name="stale_hybrid.done")
+    return refused
 
 
 def test_stale_forward_is_refused_with_hybrid_sharding():
