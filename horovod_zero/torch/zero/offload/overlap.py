@@ -55,7 +55,9 @@ class OverlapSink:
         self._ready = {}       # stepped shards whose values are on their way back -> copy's event
         self._error = None
         self._thread = None
-        self._hyper = None     # the hyperparameters of this step's shards (stepper.snapshot())
+        # The hyperparameters of this step's shards (stepper.snapshot()), from backward's first
+        # gradient until step() (defer() or clear()); their identity tells this step's shards.
+        self._hyper = None
         self.stepped = set()   # shard indices stepped early this step
         # Forward order (overlap_param_gather): index -> position. The worker takes the
         # shards the next forward needs first; without it, in the order they came.
@@ -67,10 +69,10 @@ class OverlapSink:
         # Until step() (defer()), the worker holds the gathers of what it stepped early for this
         # step: a rank steps a shard early only where it had a gradient, the others at their
         # step(), and a rank waiting in step() for an allgather another rank enqueues only at
-        # its own would hang. Only this step's (hyperparameters `_holding`): a shard deferred by
+        # its own would hang. Only this step's (hyperparameters `_hyper`): a shard deferred by
         # the last step() and stepped after this backward began is owed to ranks whose forward
         # waits for it now, and holding it hangs them (a rank whose forward skipped its module).
-        self._holding, self._held = None, []
+        self._held = []
         self.on_take = None  # called with each shard taken (Offload: refuses a stale forward)
         self.threads = backward_threads()
         host.stats["stepped_before_step"] = 0
@@ -88,10 +90,6 @@ class OverlapSink:
     one_reduction = True  # GradReducer refuses a second reduction of a shard in one step
 
     def take_grad(self, s, outs, early, local=False):
-        if early:
-            # Usually done at backward's first gradient; gradients set without backward's
-            # hooks (p.grad = g) come here first, and must be held as this step's too.
-            self.begin()
         if (early or local) and self.on_take is not None:  # a gradient of this rank's forward
             self.on_take(s)
         # The previous step's shard may still be queued (overlap_param_gather: the forward
@@ -107,9 +105,9 @@ class OverlapSink:
         of this step is stepped with are taken now, on every rank at the same point, so that
         a change before step() is refused on all of them, however far each worker got."""
         if self._hyper is None:
-            self._hyper = self.host.stepper.snapshot()
+            snapshot = self.host.stepper.snapshot()
             with self._lock:
-                self._holding = self._hyper
+                self._hyper = snapshot
 
     @property
     def began(self):
@@ -120,6 +118,9 @@ class OverlapSink:
         self.host.no_grad(s)
 
     def _submit(self, indices):
+        # Every shard is queued as part of a begun step, also where no backward hook ran
+        # (gradients set as p.grad = g): its gather is then held as this step's.
+        self.begin()
         ev = None
         if self.host.h2d_stream is not None:
             ev = torch.cuda.Event()
@@ -203,7 +204,7 @@ class OverlapSink:
         if self.gather is None:
             return
         with self._lock:
-            hold = hyper is not None and hyper is self._holding
+            hold = hyper is self._hyper
             if hold:
                 self._held += indices
         if not hold:
@@ -228,7 +229,6 @@ class OverlapSink:
     def defer(self, indices):
         """Queues the shards at `indices` that have a gradient and were not stepped early
         (overlap_param_gather: step() returns before they are stepped)."""
-        self.begin()
         with self._lock:
             self.host.stats["stepped_before_step"] += len(self._ready)  # as wait() counts them
         rest = [i for i in indices if i not in self.stepped and self.host.grads.get(i) is not None]
@@ -236,7 +236,7 @@ class OverlapSink:
         if rest:
             self._submit(rest)
         with self._lock:
-            self._holding = None
+            self._hyper = None  # this step's gathers are held no longer
             held, self._held = self._held, []  # each once: a shard is reduced once a step
         if held:  # stepped early: their copies back are queued on the side stream already
             stream = self.host.h2d_stream
