@@ -10,7 +10,6 @@ from horovod_zero.torch.basics import (
     device,
     gloo_built,
     gloo_enabled,
-    init,
     is_homogeneous,
     is_initialized,
     local_rank,
@@ -26,6 +25,7 @@ from horovod_zero.torch.basics import (
     size,
 )
 from horovod_zero.torch.compression import Compression
+from horovod_zero.torch.job import add_process_set, init, remove_process_set
 from horovod_zero.torch.functions import (
     allgather_object,
     broadcast_object,
@@ -65,7 +65,7 @@ from horovod_zero.torch.mpi_ops import (
     synchronize,
 )
 from horovod_zero.torch.optimizer import DistributedOptimizer
-from horovod_zero.torch.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from horovod_zero.torch.process_sets import ProcessSet, global_process_set
 from horovod_zero.torch.sparse import sparse_allreduce_async
 from horovod_zero.torch.alltoall import alltoall, alltoall_async
 from horovod_zero.torch.join import join

@@ -28,7 +28,7 @@ gradient: a backward through one raises.
 
 import torch
 
-from horovod_zero.torch import mpi_ops
+from horovod_zero.torch import enqueue as ops
 from horovod_zero.torch.basics import _core, _exact_gradients, rank
 from horovod_zero.torch.process_sets import _rank, _size
 
@@ -36,10 +36,10 @@ from horovod_zero.torch.process_sets import _rank, _size
 def _run(kind, tensors, names, process_set, **args):
     """One (grouped) collective over these tensors; returns the outputs as a tuple."""
     if kind == _core.OP_REDUCESCATTER:
-        outputs = [mpi_ops._scatter_output(t, process_set) for t in tensors]
+        outputs = [ops._scatter_output(t, process_set) for t in tensors]
     else:
         outputs = [None] * len(tensors)
-    return tuple(mpi_ops.synchronize(mpi_ops._enqueue(kind, list(tensors), outputs, list(names),
+    return tuple(ops.synchronize(ops._enqueue(kind, list(tensors), outputs, list(names),
                                                       process_set=process_set, **args)))
 
 
@@ -66,11 +66,11 @@ def _placed(ctx, values):
 
 def _reducing(ctx, op, prescale, postscale):
     ctx.op = op
-    ctx.scale = prescale * postscale / (_size(ctx.process_set) if op == mpi_ops.Average else 1)
+    ctx.scale = prescale * postscale / (_size(ctx.process_set) if op == ops.Average else 1)
 
 
 def _check_differentiable(ctx, what):
-    if ctx.op not in (mpi_ops.Sum, mpi_ops.Average):
+    if ctx.op not in (ops.Sum, ops.Average):
         raise RuntimeError(
             f"A {what} with op=Min or Max has no gradient: detach() its input (or compute its output under "
             "torch.no_grad()) when it is not part of the loss.")
@@ -90,7 +90,7 @@ class Allreduce(torch.autograd.Function):
         # d/dx_r of sum_k L_k(s * sum_j x_j) = s * sum_k g_k; Horovod's (the allreduce of
         # the gradient with the forward's op and factors) is the same.
         grads, names = _float_grads(ctx, grads)
-        g = _run(_core.OP_ALLREDUCE, grads, names, ctx.process_set, reduce_op=mpi_ops.Sum, postscale=ctx.scale)
+        g = _run(_core.OP_ALLREDUCE, grads, names, ctx.process_set, reduce_op=ops.Sum, postscale=ctx.scale)
         return (None, None, None, None, None) + _placed(ctx, g)
 
 
@@ -110,9 +110,9 @@ class Allgather(torch.autograd.Function):
         # Where this rank's rows sit in each output: every rank's row counts, one collective.
         ps = ctx.process_set
         mine = torch.tensor([ctx.rows[i] for i in ctx.floats], dtype=torch.int64)
-        every = mpi_ops.synchronize(mpi_ops._allgather_async(mine, f"{names[0]}.rows", None, ps)).view(_size(ps), -1)
+        every = ops.synchronize(ops._allgather_async(mine, f"{names[0]}.rows", None, ps)).view(_size(ps), -1)
         starts = every[:_rank(ps)].sum(0).tolist()
-        op = mpi_ops.Sum if _exact_gradients() else mpi_ops.Average
+        op = ops.Sum if _exact_gradients() else ops.Average
         summed = _run(_core.OP_ALLREDUCE, grads, names, ps, reduce_op=op)
         out = [g[start:start + ctx.rows[i]].to(ctx.dtypes[i]) for g, start, i in zip(summed, starts, ctx.floats)]
         return (None, None, None) + _placed(ctx, out)
@@ -140,11 +140,11 @@ class Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, name, root_rank, process_set, tensor):
         ctx.name, ctx.root, ctx.process_set = name, root_rank, process_set
-        return mpi_ops.synchronize(mpi_ops._broadcast_async(tensor, root_rank, name, process_set))
+        return ops.synchronize(ops._broadcast_async(tensor, root_rank, name, process_set))
 
     @staticmethod
     def backward(ctx, grad):
         # Every rank's output is the root's input: only the root's input has a gradient.
-        op = mpi_ops.Sum if _exact_gradients() else mpi_ops.Average
+        op = ops.Sum if _exact_gradients() else ops.Average
         (g,) = _run(_core.OP_ALLREDUCE, [grad.contiguous()], [f"{ctx.name}.grad"], ctx.process_set, reduce_op=op)
         return None, None, None, (g if rank() == ctx.root else torch.zeros_like(g))

@@ -1,4 +1,6 @@
-"""init/shutdown and the questions about this process's place in the job."""
+"""The job's state (what init() starts and shutdown() stops) and the questions about
+this process's place in the job. init() itself, which also registers process sets
+(a collective step), is job.py's."""
 
 import atexit
 import threading
@@ -9,12 +11,7 @@ from horovod_zero import settings as _settings
 from horovod_zero.runner.rendezvous import make_gloo_backend, make_store, shm_control_name
 from horovod_zero.runner.world import World, detect_world
 
-try:
-    from horovod_zero import _core
-except ImportError as e:  # pragma: no cover - only without a build
-    raise ImportError(
-        "horovod_zero's C++ extension is not built. Run `pip install -e .` (or examples/setup.sh) first."
-    ) from e
+from horovod_zero.native import core as _core
 
 
 class _State:
@@ -53,34 +50,6 @@ def _all_local_sizes_equal(backend, world: World) -> bool:
     return all(int(t) == world.local_size for t in every)
 
 
-def init(process_sets=None):
-    """Joins the job described by the launcher's environment (horovodrun, torchrun,
-    or none: size 1) and starts the background runtime. Calling it again while
-    initialized does nothing.
-
-    process_sets, as in Horovod: a list of hvd.ProcessSet to register besides
-    hvd.global_process_set (every rank passes the same ones), or "dynamic" to allow
-    hvd.add_process_set() and hvd.remove_process_set() later, as
-    HOROVOD_DYNAMIC_PROCESS_SETS=1 does (see process_sets.py)."""
-    from horovod_zero.torch import process_sets as _sets
-    dynamic_asked = isinstance(process_sets, str) and process_sets.lower() == "dynamic"
-    if isinstance(process_sets, str) and not dynamic_asked:
-        raise ValueError(f"hvd.init(process_sets={process_sets!r}): pass a list of hvd.ProcessSet or \"dynamic\".")
-    with _state.lock:
-        if _state.runtime is not None:
-            return
-        config = _settings.read()  # every HOROVOD_* variable; a bad one is refused before anything starts
-        _start(config)
-    try:
-        _sets._on_init(_state.world.size, config.dynamic_process_sets or dynamic_asked,
-                       None if dynamic_asked else process_sets)
-    except BaseException:
-        # Every rank fails alike (the sets are checked collectively), and init() may be
-        # called again: this frame, which the exception keeps, holds no store.
-        shutdown()
-        raise
-
-
 def _start(config):
     """The store, the job's Gloo group and the runtime, into _state."""
     world = detect_world()
@@ -101,13 +70,17 @@ def _start(config):
 
 def shutdown():
     """Stops the runtime on every rank; pending ops fail. init() may be called again."""
-    from horovod_zero.torch import process_sets as _sets
     with _state.lock:
         runtime = _state.runtime
         _state.runtime = None
     if runtime is not None:
         runtime.shutdown()
-    _sets._on_shutdown()
+    # Sets belong to one init(): they must be passed to the next one again.
+    for set_id, ps in _state.process_sets.items():
+        if set_id != 0:
+            ps.process_set_id = None
+            ps._rank = None
+    _state.process_sets = {}
     _state.backend = None
     _state.store = None
 

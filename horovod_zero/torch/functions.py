@@ -2,16 +2,13 @@
 Each takes process_set= (default: every rank); root_rank is always a rank of the
 job (hvd.rank()), one of the set's."""
 
-import io
-import pickle
-import threading
-import weakref
-
 import torch
 
-from horovod_zero.torch.mpi_ops import broadcast_, broadcast_async_, synchronize
-from horovod_zero.torch.basics import _runtime, rank
-from horovod_zero.torch.process_sets import _id, _world_rank, global_process_set
+from horovod_zero.torch.basics import rank
+from horovod_zero.torch.mpi_ops import broadcast_async_, synchronize
+from horovod_zero.torch.objects import allgather_object, broadcast_object  # noqa: F401 - hvd.broadcast_object
+from horovod_zero.torch.process_sets import _world_rank, global_process_set
+from horovod_zero.torch.zero import DistributedZeroOptimizer
 
 
 def broadcast_parameters(params, root_rank=0, process_set=global_process_set):
@@ -41,70 +38,6 @@ def broadcast_parameters(params, root_rank=0, process_set=global_process_set):
             t.copy_(target)
 
 
-class _ObjectNames:
-    """Names for unnamed broadcast_object() calls: the n-th call of a job (one runtime,
-    one init()) on a process set is broadcast_object.n on every rank of the set, so
-    the names agree without any message (one count per set: only its ranks call it).
-    The counts live as long as their runtime, so a re-init starts again at 0 on
-    every rank alike. Threads take numbers under a lock: two of them must never
-    share a number or skip one, or the ranks' names drift apart and the job stalls."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._next = weakref.WeakKeyDictionary()  # runtime -> {process set id: next number}
-
-    def take(self, runtime, set_id=0):
-        with self._lock:
-            counts = self._next.setdefault(runtime, {})
-            n = counts.get(set_id, 0)
-            counts[set_id] = n + 1
-        return f"broadcast_object.{n}"
-
-
-_object_names = _ObjectNames()
-
-
-def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
-    """Returns root_rank's `obj` on every rank of process_set (pickled, sent as bytes).
-
-    Unnamed calls are paired across ranks by the order in which each rank makes them.
-    Threads that call it at the same time may take their turns in another order on
-    each rank, so pass name= to pair each thread's calls with its peers'."""
-    if name is None:
-        name = _object_names.take(_runtime(), _id(process_set))
-    if rank() == root_rank:
-        buf = io.BytesIO()
-        pickle.dump(obj, buf)
-        payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-        length = torch.tensor([payload.numel()], dtype=torch.int64)
-    else:
-        length = torch.zeros(1, dtype=torch.int64)
-    broadcast_(length, root_rank, name=f"{name}.len", process_set=process_set)
-    if rank() != root_rank:
-        payload = torch.empty(int(length.item()), dtype=torch.uint8)
-    if payload.numel():
-        broadcast_(payload, root_rank, name=f"{name}.data", process_set=process_set)
-    return pickle.loads(payload.numpy().tobytes())
-
-
-def allgather_object(obj, name=None, process_set=global_process_set):
-    """Returns the list of every rank's `obj` (pickled), in rank order (of
-    process_set: ps.rank()). Every rank of the set must call it; the objects may
-    differ in type and size."""
-    from horovod_zero.torch.mpi_ops import grouped_allgather_async
-    name = name or "allgather_object"
-    data = pickle.dumps(obj)
-    # One grouped op: each rank's byte count (to split the bytes apart) and its bytes.
-    lengths, gathered = synchronize(grouped_allgather_async(
-        [torch.tensor([len(data)], dtype=torch.int64), torch.frombuffer(bytearray(data), dtype=torch.uint8)],
-        name=[f"{name}.len", f"{name}.data"], process_set=process_set))
-    out, start = [], 0
-    for n in lengths.tolist():
-        out.append(pickle.loads(gathered[start:start + n].numpy().tobytes()))
-        start += n
-    return out
-
-
 def broadcast_optimizer_state(optimizer, root_rank=0, model=None, process_set=global_process_set):
     """Makes every rank's optimizer state and hyperparameters root_rank's: the state of
     each parameter (tensors such as momentum buffers, and values such as a step
@@ -115,7 +48,6 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None, process_set=gl
     Unlike Horovod's, it takes no optimizer step to create missing state: a rank
     receives the state root has (none if root has none). `model` is accepted for
     Horovod's signature and not needed."""
-    from horovod_zero.torch.zero import DistributedZeroOptimizer
     if isinstance(optimizer, DistributedZeroOptimizer):
         raise ValueError("A DistributedZeroOptimizer's state is sharded (each rank holds its own part) and starts "
                          "alike on every rank. To resume from a checkpoint, use its state_dict() and "

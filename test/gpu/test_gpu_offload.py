@@ -68,7 +68,7 @@ def _traffic(stage, overlap, layers=6, width=1024, gather_overlap=False):
     opt.wait_for_params()
     torch.cuda.synchronize()
     stats = opt.offload_stats()
-    shard = sum(s.shard for s in opt._shards)  # at stage 3 the parameters are empty at rest
+    shard = sum(s.shard for s in opt.sharded_state.shards)  # at stage 3 the parameters are empty at rest
     return stats, shard, steps
 
 

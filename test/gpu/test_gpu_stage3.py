@@ -37,7 +37,7 @@ def _parity_on(device, prefetch, param_dtype):
     params = {n: p.cpu() for n, p in s3.full_params(model, opt).items()}
     on_device = all(p.device.type == dev.type for p in model.parameters())
     moved = sorted(n for n, p in params.items() if not torch.equal(p.float(), initial[n].float()))
-    return on_device, s3.rel_errors(params, s3.reference()), moved, opt._stage3.forward_order.changes
+    return on_device, s3.rel_errors(params, s3.reference()), moved, opt._params.forward_order.changes
 
 
 # bf16: the forward and backward run in bf16 and the gradients are reduced in bf16, the

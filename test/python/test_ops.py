@@ -13,7 +13,7 @@ import horovod_zero.torch as hvd
 from harness import launch
 from horovod_zero.torch import mpi_ops
 from horovod_zero.torch.basics import _core
-from horovod_zero.torch import functions
+from horovod_zero.torch import objects
 from refs import DTYPES, FLOATS, assert_close as _assert_close, dtype, make, reduce_ref, scatter_slice
 
 OPS = ["Sum", "Average", "Min", "Max"]
@@ -277,11 +277,11 @@ def _in_threads(target, count):
 
 
 def _switch_between_lines(frame, event, arg):
-    """A trace function that pauses before every line of horovod_zero/torch/functions.py
+    """A trace function that pauses before every line of horovod_zero/torch/objects.py
     (broadcast_object and its naming), letting the other thread run: threads in it then
     interleave at every point, as free-threaded Python lets them, not only where
     CPython 3.11 happens to switch (never between reading and writing the old count)."""
-    if frame.f_code.co_filename != functions.broadcast_object.__code__.co_filename:
+    if frame.f_code.co_filename != objects.broadcast_object.__code__.co_filename:
         return None
     if event == "line":
         time.sleep(0.0005)  # long enough for the other thread to run, however loaded the machine
@@ -319,7 +319,7 @@ def test_broadcast_object_from_two_threads_at_once():
     rank, so each object arrives exactly once and nothing stalls (a name taken twice
     is refused as already in flight, or leaves the ranks waiting for names the others
     never send: the stall limit turns that into an error here). The threads switch
-    between every two lines of functions.py, which made the old unlocked count fail
+    between every two lines of objects.py, which made the old unlocked count fail
     this in 5 runs of 5 (and the new one without its lock in 3 of 3). Each thread's
     calls may pair with the other thread's on another rank; named calls pair by name."""
     calls = 50
@@ -338,7 +338,7 @@ def test_broadcast_object_from_two_threads_at_once():
 
 def _object_names_per_job(threads, takes):
     from horovod_zero.torch.basics import _runtime
-    _object_names = functions._object_names
+    _object_names = objects._object_names
     hvd.init()
     names = [[] for _ in range(threads)]
 

@@ -136,10 +136,10 @@ def _overlapped_gather(stage):
     model = mlp()
     opt = _wrap(model, stage=stage, overlap_param_gather=True)
     _train(model, opt, 1, "plain", None)
-    in_flight = len(opt._gathering)
+    in_flight = len(opt._gatherer.in_flight)
     state = model.state_dict()  # its pre-hook waits
     ref, _ = train_reference(1, None)
-    return in_flight, len(opt._gathering), [rel_err(state[n], q) for n, q in ref.state_dict().items()]
+    return in_flight, len(opt._gatherer.in_flight), [rel_err(state[n], q) for n, q in ref.state_dict().items()]
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -373,7 +373,7 @@ def _chunked_init():
     direct = _wrap(direct_model, stage=2)
     paths = (opt.init_path, direct.init_path)
     # The same fp32 master shards and padded parameter storage as the direct build.
-    same = (all(torch.equal(a, b) for a, b in zip(opt._master, direct._master))
+    same = (all(torch.equal(a, b) for a, b in zip(opt.sharded_state.flat_masters, direct.sharded_state.flat_masters))
             and all(torch.equal(a, b) for a, b in zip(opt._storage.stores, direct._storage.stores))
             and len(opt._storage.stores) == len(direct._storage.stores) == 4)
     _train(model, opt, 1, "plain", None)

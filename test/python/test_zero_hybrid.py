@@ -57,11 +57,11 @@ def _hybrid(stage, clip, offload, device="cpu"):
     stats = _train(model, opt, clip)
     ref, _ = train_reference(1, clip)
     errs = [rel_err(p, q) for p, q in zip(_weights(model, opt), ref.parameters())]
-    st = opt._storage
-    out = {"errs": errs, "stats": stats, "shard_elems": sum(s.shard for s in st.shards),
-           "node_set": st.shard_set.process_set_id, "cross_set": st.cross_set.process_set_id,
+    view, groups = opt.sharded_state, opt._storage.groups
+    out = {"errs": errs, "stats": stats, "shard_elems": sum(s.shard for s in view.shards),
+           "node_set": view.shard_set.process_set_id, "cross_set": groups.cross_set.process_set_id,
            "state": sum(v.numel() for s in opt.state.values() for k, v in s.items() if k == "exp_avg"),
-           "total": sum(p.numel() for p in mlp().parameters()), "tensors": len(st.shards)}
+           "total": sum(p.numel() for p in mlp().parameters()), "tensors": len(view.shards)}
     hvd.barrier()  # a rank's shutdown stops every rank: the other node may still be gathering
     hvd.shutdown()
     return out
@@ -168,7 +168,7 @@ def _accumulating(stage, mode, prefetch, param_dtype):
     gathers = sorted({(s["process_set"], s["dtype"]) for s in hvd.collective_stats() if s["op"] == "allgather"})
     ref, _ = train_reference(passes, None)
     errs = [rel_err(p, q) for p, q in zip(_weights(model, opt), ref.parameters())]
-    node = opt._storage.shard_set.process_set_id
+    node = opt.sharded_state.shard_set.process_set_id
     hvd.barrier()
     hvd.shutdown()
     return errs, counts, gathers, node

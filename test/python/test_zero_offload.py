@@ -99,8 +99,8 @@ def test_stage3_with_parameters_offloaded_matches_reference(ranks):
 def _parity_in_small_chunks(stage, overlap):
     """_parity with the host step cut into chunks of a parameter or two, each gathered
     while the next is stepped: every rank must make the same chunks."""
-    from horovod_zero.torch.zero.offload import engine, overlap as worker
-    engine._CHUNK_NUMEL = 40  # the four parameters' shards (4 to 264 elements): three chunks
+    from horovod_zero.torch.zero.offload import host_step, overlap as worker
+    host_step._CHUNK_NUMEL = 40  # the four parameters' shards (4 to 264 elements): three chunks
     worker._BATCH_NUMEL = 40  # and overlap_step's worker takes a backlog in batches that size
     if not overlap:
         return _parity(stage, "adamw")
@@ -110,7 +110,7 @@ def _parity_in_small_chunks(stage, overlap):
     del os.environ["HOROVOD_ZERO_OVERLAP_STEP_THREADS"]  # read at construction
     _train(model, opt, 1, None)
     return [("overlap", max(rel_err(p, q) for p, q in zip(_weights(model, opt), _reference("adamw", 1, None))),
-             opt._offload.sink.threads, set())]
+             opt._step.sink.threads, set())]
 
 
 @pytest.mark.parametrize("stage,overlap", [(1, False), (2, False), (2, True), (3, False)])
@@ -139,7 +139,7 @@ def _nvme_bytes(path):
     before = opt.offload_stats()
     _train(model, opt, 1, None, steps=1, start=1)
     after = opt.offload_stats()
-    state = opt._offload.nvme._swapper.state_bytes
+    state = opt._step.nvme._swapper.state_bytes
     per_step = (after["disk_read_bytes"] - before["disk_read_bytes"],
                 after["disk_write_bytes"] - before["disk_write_bytes"])
     saved = copy.deepcopy(opt.state_dict())
@@ -149,8 +149,8 @@ def _nvme_bytes(path):
     _train(model, opt, 1, None, steps=1, start=2)
     _train(model2, opt2, 1, None, steps=1, start=2)
     same = max(rel_err(p, q) for p, q in zip(model2.parameters(), model.parameters()))
-    files = sorted(f for f in os.listdir(opt._offload.nvme._swapper.directory) if f.endswith(".swp"))
-    opt._offload.nvme.close()
+    files = sorted(f for f in os.listdir(opt._step.nvme._swapper.directory) if f.endswith(".swp"))
+    opt._step.nvme.close()
     return per_step, state, same, files
 
 
@@ -248,7 +248,7 @@ def _overlap_forward(model_name, device="cpu", stage=2, offload_params=None):
     err = max(rel_err(state[k], v) for k, v in ref.state_dict().items())
     if full is not None:  # rank 0
         err = max([err] + [rel_err(full["model"][k], v) for k, v in ref.state_dict().items()])
-    return err, len(opt._offload.sink.position)
+    return err, len(opt._step.sink.position)
 
 
 @pytest.mark.parametrize("model_name,stage,offload_params", [("mlp", 2, None), ("tied", 2, None), ("mlp", 3, None),
@@ -332,7 +332,7 @@ def _across_ranks(model):
 
 def _late_worker(opt, shards=None):
     """On every rank but 0 the worker sleeps before it steps any of `shards` (all: None)."""
-    step_now = opt._offload.host.step
+    step_now = opt._step.host.step
 
     def step_late(indices, *args, **kwargs):
         if (hvd.rank() != 0 and (shards is None or shards & set(indices))
@@ -340,7 +340,7 @@ def _late_worker(opt, shards=None):
             time.sleep(0.5)
         return step_now(indices, *args, **kwargs)
 
-    opt._offload.host.step = step_late
+    opt._step.host.step = step_late
 
 
 def _train_branching(model, opt):
@@ -376,7 +376,7 @@ def _late_worker_for_the_skipped_branch(device="cpu"):
     _slow_backward(model)  # a and c are stepped early, so step() defers b alone
     with scoped_env(HOROVOD_ZERO_BUCKET_BYTES=1):
         opt = _wrap_branch(model)
-    _late_worker(opt, {s.index for s in opt._shards if s.name.startswith("b.")})
+    _late_worker(opt, {s.index for s in opt.sharded_state.shards if s.name.startswith("b.")})
     return _train_branching(model, opt)
 
 
@@ -535,7 +535,7 @@ def _skip_and_stale():
     opt = _wrap(model, "adamw", 2, offload_optimizer="cpu", overlap_step=True)
     x, y = batch(0, 0)
     mse(model, rank_rows(x, r, n), rank_rows(y, r, n)).backward()
-    out["early"] = len(opt._offload.sink.stepped)
+    out["early"] = len(opt._step.sink.stepped)
     try:
         opt.zero_grad()  # skipping a step whose host step has begun
     except RuntimeError as e:
@@ -711,7 +711,7 @@ def _nvme_aio(path):
     try:
         model = mlp()
         opt = _wrap(model, "adamw", 2, offload_optimizer="nvme", nvme_path=path)
-        return {name: (f.queue_depth, f.request_bytes) for name, f in opt._offload.nvme._swapper._files.items()}
+        return {name: (f.queue_depth, f.request_bytes) for name, f in opt._step.nvme._swapper._files.items()}
     except ValueError as e:
         return str(e)
     finally:

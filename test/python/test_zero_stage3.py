@@ -122,7 +122,7 @@ def _parity(prefetch, passes, coalesce, reshard_after_forward=True):
     train(model, opt, passes=passes, coalesce=coalesce)
     params = full_params(model, opt)
     moved = sorted(n for n, p in params.items() if not torch.equal(p, initial[n]))
-    return rel_errors(params, reference(passes=passes)), moved, opt._stage3.forward_order.changes
+    return rel_errors(params, reference(passes=passes)), moved, opt._params.forward_order.changes
 
 
 @pytest.mark.parametrize("prefetch,passes,coalesce,raf", [(1, 1, False, True), (0, 1, False, True), (2, 1, False, True),
@@ -169,7 +169,7 @@ def _memory_at_rest(stage):
     loss_of(model, local(ids), local(target), 0).backward()
     opt.step()  # gradient shards are kept until zero_grad(): the most held at rest
     held = held_bytes(model, opt)
-    return held, sum(s.shard for s in opt._storage.shards)
+    return held, sum(s.shard for s in opt.sharded_state.shards)
 
 
 def test_stage3_holds_16_over_n_bytes_per_parameter_at_rest(ranks):
@@ -278,7 +278,7 @@ def _raising_backward_then_training():
     hook.remove()
     opt.zero_grad()  # frees what the failed backward left gathered
     train(model, opt, steps=STEPS)
-    return rel_errors(full_params(model, opt), reference()), opt._stage3.backward_order.changes
+    return rel_errors(full_params(model, opt), reference()), opt._params.backward_order.changes
 
 
 def test_a_backward_that_raised_leaves_the_next_steps_right(ranks):
@@ -355,7 +355,7 @@ def _full_fp32_tensors(downcast):
     opt = with_env({"HOROVOD_ZERO_DOWNCAST": downcast}, lambda: hvd.DistributedZeroOptimizer(
         adamw(model), model=model, stage=3, param_dtype=torch.bfloat16))
     # Full sizes of the larger parameters: no activation or shard here has these sizes.
-    full = {n for s in opt._storage.shards if s.numel >= 100 for n in (s.numel, s.padded)}
+    full = {n for s in opt.sharded_state.shards if s.numel >= 100 for n in (s.numel, s.padded)}
     seen = []
 
     class Watch(TorchDispatchMode):

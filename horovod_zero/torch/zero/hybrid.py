@@ -13,14 +13,22 @@ nodes, as FSDP2's HSDP and ZeRO++'s hpZ do.
 - Norms reduce over the node set (each node holds every shard once); checks that
   must agree everywhere (which parameters had a gradient, overflow) stay global.
 Both sets are registered by every rank in the same order when the optimizer is built
-(process sets are collective), or reused when the job has them already."""
+(process sets are collective), or reused when the job has them already.
+
+Everything hybrid sharding changes is here: ShardGroups, the value the storage,
+reducer, gatherer, norms and state code take whole, says which set each collective
+runs in, and does the one extra step (average_replicas) and the one difference in
+when a reduced shard is final (final_after_reduce_scatter)."""
 
 from dataclasses import dataclass
 from typing import Optional
 
 from horovod_zero.torch import basics
-from horovod_zero.torch.functions import allgather_object
-from horovod_zero.torch.process_sets import ProcessSet, _add
+from horovod_zero.torch import enqueue as ops
+from horovod_zero.torch.basics import _core
+from horovod_zero.torch.job import _add
+from horovod_zero.torch.objects import allgather_object
+from horovod_zero.torch.process_sets import ProcessSet
 
 
 @dataclass(frozen=True)
@@ -41,6 +49,21 @@ class ShardGroups:
     shard_set: Optional[ProcessSet]  # None: the global set (full sharding)
     cross_set: Optional[ProcessSet]  # None: no replicas to average over
     scope: Scope = Scope(None, 0)
+
+    @property
+    def final_after_reduce_scatter(self) -> bool:
+        """Whether a shard's reduce-scatter output is its final gradient; with replicas it
+        is final only after their average (so offload cannot take it during backward)."""
+        return self.cross_set is None
+
+    def average_replicas(self, items):
+        """`items`: (shard, reduced tensor) pairs; each tensor is averaged in place with its
+        replicas on the other nodes, by one grouped allreduce in the cross set."""
+        if self.cross_set is None or not items:
+            return
+        tensors = [t for _, t in items]
+        ops.synchronize(ops._enqueue(_core.OP_ALLREDUCE, tensors, tensors, [f"zero.cross.{s.index}" for s, _ in items],
+                                     ops.Average, process_set=self.cross_set))
 
 
 def full_sharding() -> ShardGroups:
@@ -86,3 +109,11 @@ def node_sharding() -> ShardGroups:
     mine = members[nodes[basics.rank()]]
     place = mine.index(basics.rank())
     return ShardGroups(place, local, node_sets[nodes[basics.rank()]], cross_sets[place])
+
+
+def shard_groups(shard_group, process_set) -> ShardGroups:
+    """The ranks the optimizer shards over, from its (already checked) shard_group= and
+    process_set= arguments. Collective when shard_group='node'."""
+    if shard_group == "node":
+        return node_sharding()
+    return set_sharding(process_set) if process_set is not None else full_sharding()

@@ -17,13 +17,12 @@ optimizer state in (pinned) host memory, stepped on the CPU.
   host memory with offload_params="cpu", copied in by each gather.
 - overlap_step=True steps each bucket on a worker thread as soon as its gradients
   are on the host, so the CPU step runs under backward (overlap.py).
-Norms and overflow checks reduce host tensors, so those collectives run over Gloo."""
+Norms and overflow checks (core/norms.py) reduce host tensors, so those collectives
+run over Gloo."""
 
 import threading
 
 import torch
-
-from horovod_zero.torch import mpi_ops
 
 
 def _host(numel, dtype, pin):
@@ -31,6 +30,12 @@ def _host(numel, dtype, pin):
 
 
 class HostOffload:
+    """Host state of the offloaded step, and the GradReducer's sink without overlap_step
+    (core/protocols.py GradSink)."""
+
+    takes_early = True
+    one_reduction = False
+
     def __init__(self, storage, stepper, offload_params):
         self._st = storage
         self._cuda = storage.param_device.type == "cuda"
@@ -71,6 +76,12 @@ class HostOffload:
         self.refresh([s.index for s in shards])
 
     # --- gradients in ---------------------------------------------------------
+
+    def begin(self):
+        pass
+
+    def set_unscale(self, factor):
+        self.scale = factor
 
     def take_grad(self, s, outs, early=False, local=False):
         """This step's reduced gradient shard(s) of shard s (their reductions are done):
@@ -118,27 +129,10 @@ class HostOffload:
             if self._copies.get(i) is entry:  # not a copy the other thread started meanwhile
                 del self._copies[i]
 
-    # --- norms and overflow: host tensors, so Gloo ---------------------------------
-
-    def _present(self):
+    def present_grads(self):
+        """This step's host gradient shards that exist, once their copies have arrived."""
+        self.grads_arrived()
         return [g for g in self.grads.values() if g is not None]
-
-    def norm(self):
-        """The global L2 norm of this step's gradients (times the pending factor)."""
-        self.grads_arrived()
-        local = torch.zeros(1, dtype=torch.float64)
-        for g in self._present():
-            local += torch.linalg.vector_norm(g, dtype=torch.float32).double().pow(2)
-        total = mpi_ops.allreduce(local, op=mpi_ops.Sum, name="zero.offload.grad_norm",
-                                  process_set=self._st.shard_set).sqrt()[0]
-        return total * self.scale
-
-    def found_inf(self):
-        self.grads_arrived()
-        bad = any(not bool(torch.isfinite(g).all()) for g in self._present())
-        local = torch.tensor([1.0 if bad else 0.0])
-        return bool(mpi_ops.allreduce(local, op=mpi_ops.Max, name="zero.offload.found_inf",
-                                      process_set=self._st.scope.process_set).item())
 
     # --- the step --------------------------------------------------------------
 

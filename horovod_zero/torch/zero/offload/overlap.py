@@ -44,9 +44,21 @@ def backward_threads(env=None):
 
 
 class OverlapSink:
-    """The GradReducer's sink with overlap_step=True: HostOffload plus the worker."""
+    """The GradReducer's sink (core/protocols.py GradSink) with overlap_step=True:
+    HostOffload plus the worker.
 
-    def __init__(self, host: HostOffload):
+    `track_forward` (overlap_param_gather): step() returns before the host step ends; the
+    shards it queued are `deferred` until a forward needs them (params_ready()), the
+    worker takes them in the order forwards ask, and a gradient of a shard no forward
+    waited for is refused. `gather` (overlap_param_gather at stages 1 and 2 on more than
+    one rank): enqueues the allgathers of stepped shards; the worker calls it, so that
+    every rank gathers every shard it stepped whatever its forward runs (ranks whose
+    forwards differ would wait for each other)."""
+
+    takes_early = True
+    one_reduction = True  # GradReducer refuses a second reduction of a shard in one step
+
+    def __init__(self, host: HostOffload, track_forward=False, gather=None):
         self.host = host
         self._lock = threading.Condition()
         # Queued shards: index -> (event, host gradient, hyperparameters, sequence number).
@@ -59,13 +71,15 @@ class OverlapSink:
         # gradient until step() (defer() or clear()); their identity tells this step's shards.
         self._hyper = None
         self.stepped = set()   # shard indices stepped early this step
-        # Forward order (overlap_param_gather): index -> position. The worker takes the
-        # shards the next forward needs first; without it, in the order they came.
-        self.position = None
-        # overlap_param_gather at stage 2 on more than one rank: enqueues the allgathers of
-        # stepped shards. The worker calls it, so every rank gathers every shard it stepped
-        # whatever its forward runs (ranks whose forwards differ would wait for each other).
-        self.gather = None
+        # Forward order (overlap_param_gather): index -> position, filled as forwards wait.
+        # The worker takes the shards the next forward needs first; without it, in the
+        # order they came.
+        self.position = {} if track_forward else None
+        self._track_forward = track_forward
+        self.gather = gather
+        # Shards stepped (or queued) whose new values the parameters do not hold yet; the
+        # forward that needs one waits for it (params_ready).
+        self.deferred = set()
         # Until step() (defer()), the worker holds the gathers of what it stepped early for this
         # step: a rank steps a shard early only where it had a gradient, the others at their
         # step(), and a rank waiting in step() for an allgather another rank enqueues only at
@@ -73,25 +87,17 @@ class OverlapSink:
         # the last step() and stepped after this backward began is owed to ranks whose forward
         # waits for it now, and holding it hangs them (a rank whose forward skipped its module).
         self._held = []
-        self.on_take = None  # called with each shard taken (Offload: refuses a stale forward)
         self.threads = backward_threads()
         host.stats["stepped_before_step"] = 0
 
-    @property
-    def scale(self):
-        return self.host.scale
-
-    @scale.setter
-    def scale(self, value):
-        self.host.scale = value
-
     # --- the GradReducer's side -----------------------------------------------
 
-    one_reduction = True  # GradReducer refuses a second reduction of a shard in one step
+    def set_unscale(self, factor):
+        self.host.set_unscale(factor)
 
     def take_grad(self, s, outs, early, local=False):
-        if (early or local) and self.on_take is not None:  # a gradient of this rank's forward
-            self.on_take(s)
+        if (early or local) and self._track_forward:  # a gradient of this rank's forward
+            self._check_waited(s)
         # The previous step's shard may still be queued (overlap_param_gather: the forward
         # that needs it waits for it; nothing else does): its host gradient is in use.
         self.wait_ready([s.index], stream=False)
@@ -242,6 +248,36 @@ class OverlapSink:
             stream = self.host.h2d_stream
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 self.gather(held)
+
+    def defer_step(self, indices):
+        """overlap_param_gather: queues the shards not stepped early and returns; the worker
+        steps them in the order the next forward needs them, while it runs (params_ready)."""
+        self.defer(indices)
+        self.deferred |= self.stepped
+        self.clear()
+
+    def params_ready(self, indices):
+        """Waits until the deferred shards at `indices` (all when None) are stepped, and
+        at stage 2 their allgathers queued (by the worker); the current stream waits for
+        their copies back. Called by the forward hooks, stage 3's gathers and
+        wait_for_params()."""
+        ready = [i for i in (self.deferred if indices is None else indices) if i in self.deferred]
+        if not ready:
+            return
+        for i in ready:
+            self.position.setdefault(i, len(self.position))
+        self.wait_ready(ready)
+        self.deferred.difference_update(ready)
+
+    def _check_waited(self, s):
+        """A gradient for a shard whose new values no forward waited for: the forward read
+        it stale (outside the module that holds it), and this step would be wrong."""
+        if s.index in self.deferred:
+            raise RuntimeError(
+                f"Parameter '{s.name}' got a gradient from a forward that read it before its last update was in "
+                "place: with overlap_param_gather=True a parameter is waited for by the forward of the unit (or "
+                "the model) that holds it, and it was used outside that forward. Call opt.wait_for_params() "
+                "before such a forward, pass units= that hold it, or use overlap_param_gather=False.")
 
     def wait_ready(self, indices, stream=True):
         """Waits until the shards at `indices` that are queued or being stepped are stepped,

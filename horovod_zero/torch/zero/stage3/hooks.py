@@ -20,7 +20,10 @@ next units in recorded order (order.py).
 - The first unit (or root) gathered in a backward queues a callback for the end of it,
   which frees whatever is still gathered (units whose inputs needed no grad,
   gathers prefetched but not used, the root) and records the backward order.
-Every rank must run the same units in the same order, as with any collective."""
+Every rank must run the same units in the same order, as with any collective.
+
+Stage3 is the optimizer's Params at stage 3 (core/protocols.py): publishing new
+values is freeing every unit, since the next forward gathers them anyway."""
 
 import contextlib
 import enum
@@ -29,9 +32,9 @@ import functools
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from horovod_zero.torch.zero.order import OrderTrace
-from horovod_zero.torch.zero.units import assign
-from horovod_zero.torch.zero.weak import weak_hook
+from horovod_zero.torch.zero.core.units import assign
+from horovod_zero.torch.zero.core.weak import weak_hook
+from horovod_zero.torch.zero.stage3.order import OrderTrace
 
 
 class State(enum.Enum):
@@ -71,6 +74,19 @@ class Stage3:
             for name, m in u.module.named_modules(prefix=u.name):
                 if any(True for _ in m.parameters(recurse=False)):
                     self.hooks.append(m.register_forward_pre_hook(weak_hook(self, "check_gathered", u, name)))
+
+    def on_new_params(self, params):
+        self.assign()
+
+    def forward_checks(self):
+        # Every parameter: the gather would otherwise repair the storage of some and hide it.
+        return range(len(self._storage.shards))
+
+    def publish(self, wait):
+        self.reshard_all()  # the next forward gathers the new values
+
+    def free(self):
+        self.reshard_all()
 
     def assign(self):
         """(Re)computes which parameters each unit holds (also after add_param_group)."""
@@ -137,9 +153,10 @@ class Stage3:
         self.reshard(self.root)
 
     @contextlib.contextmanager
-    def gathered(self, free_each):
-        """Every parameter gathered for the block; `free_each`: freed again at once, one
-        parameter at a time (the ranks that only help rank 0 gather)."""
+    def gathered(self, rank0_only):
+        """Every parameter gathered for the block; `rank0_only`: on the other ranks freed
+        again at once, one parameter at a time (they only help rank 0 gather)."""
+        free_each = rank0_only and self._storage.rank != 0
         if self.pinned:
             raise RuntimeError("gathered_params() blocks do not nest.")
         self.reshard_all()

@@ -10,53 +10,55 @@ import os
 
 import torch
 
-from horovod_zero.torch import mpi_ops
-from horovod_zero.torch.functions import broadcast_object
-from horovod_zero.torch.zero import compat
+from horovod_zero.torch import enqueue as ops
+from horovod_zero.torch.objects import broadcast_object
+from horovod_zero.torch.zero.state import compat
 
 
 def _gather_full(t, s, name, process_set):
     """A shard-shaped tensor (this rank's part of parameter `s`) -> the full tensor,
     gathered from the ranks that hold the other shards (`process_set`)."""
-    full = mpi_ops.allgather(t.detach().float().contiguous(), name=name, process_set=process_set)
+    full = ops.synchronize(ops._allgather_async(t.detach().float().contiguous(), name, None, process_set))
     return full[:s.numel].view(s.shape).cpu()
 
 
 def consolidated_state_dict(model, opt):
     """Full fp32 parameters (and the model's other state) plus the optimizer state,
     on rank 0; None on the other ranks. Every rank must call it."""
-    with opt._materialized():
-        return _consolidated(model, opt)
+    view = opt.sharded_state
+    with view.materialized():
+        return _consolidated(model, view)
 
 
-def _consolidated(model, opt):
-    inner = opt.optimizer
+def _consolidated(model, view):
+    inner = view.inner
     params, state = {}, {}
-    for s, mp in zip(opt._shards, opt._master_params):
-        params[s.name] = _gather_full(mp, s, f"zero.ckpt.param.{s.index}", opt._storage.shard_set)
+    for s, mp in zip(view.shards, view.masters):
+        params[s.name] = _gather_full(mp, s, f"zero.ckpt.param.{s.index}", view.shard_set)
         entry = {}
         for key, value in sorted(inner.state.get(mp, {}).items()):
             if torch.is_tensor(value) and value.shape == mp.shape:
-                entry[key] = _gather_full(value, s, f"zero.ckpt.state.{s.index}.{key}", opt._storage.shard_set)
+                entry[key] = _gather_full(value, s, f"zero.ckpt.state.{s.index}.{key}", view.shard_set)
             else:
                 entry[key] = value.cpu() if torch.is_tensor(value) else value
         state[s.name] = entry
-    if not opt._storage.scope.is_root():
+    if not view.scope.is_root():
         return None
     others = {}
     if model is not None:
         # A tied parameter's other names hold the same tensor (one storage in the file), so that
         # model.load_state_dict() takes the 'model' entry; stage 3 has no whole value to read there.
-        first = {p: s.name for s, p in zip(opt._shards, opt._params)}
+        first = {p: s.name for s, p in zip(view.shards, view.params)}
         aliases = {n: params[first[p]] for n, p in model.named_parameters(remove_duplicate=False) if p in first}
         others = {k: aliases.get(k, v).detach().cpu() for k, v in model.state_dict().items() if k not in params}
     groups = []
     for g, group in enumerate(inner.param_groups):
         hyper = {k: v for k, v in group.items() if k != "params"}
-        hyper["params"] = [s.name for s in opt._plan[g]]
+        hyper["params"] = [s.name for s in view.groups[g]]
         groups.append(hyper)
-    meta = {"optimizer": compat.describe(inner, opt._plan, opt._names is not None),
-            "loss_scaler": opt.loss_scaler.state_dict() if opt.loss_scaler is not None else None}
+    meta = {"optimizer": compat.describe(inner, view.groups, view.named),
+            "loss_scaler": view.loss_scaler.state_dict() if view.loss_scaler is not None else None,
+            "step_count": view.step_count}
     return {"model": {**others, **params}, "optimizer": {"state": state, "param_groups": groups}, "zero": meta}
 
 
@@ -131,7 +133,8 @@ def _fill(skeleton, tensors, device, scope):
                 t = tensors[i].to(device).contiguous()
             else:
                 t = torch.empty(x.shape, dtype=x.dtype, device=device)
-            mpi_ops.broadcast_(t, scope.root, name=f"zero.ckpt.tensor.{i}", process_set=scope.process_set)
+            ops.synchronize(ops._enqueue_one(ops._core.OP_BROADCAST, t, t, f"zero.ckpt.tensor.{i}", root=scope.root,
+                                              process_set=scope.process_set))
             return t.cpu()
         if isinstance(x, dict):
             return {k: fill(v) for k, v in x.items()}
@@ -153,17 +156,17 @@ def _saved_description(skeleton):
     return {"class": None, "named": named, "groups": groups, "shapes": shapes}
 
 
-def _check_fits(skeleton, opt):
+def _check_fits(skeleton, view):
     """Refuses, on every rank alike and before any tensor moves, a checkpoint that
     does not fit this model and optimizer. Returns the saved group index for each
     param group here."""
-    missing = [s.name for s in opt._shards if s.name not in skeleton["model"]]
+    missing = [s.name for s in view.shards if s.name not in skeleton["model"]]
     if missing:
         raise ValueError(f"The checkpoint has no values for parameters {missing[:5]}; was it saved from this model?")
     saved = _saved_description(skeleton)
     opt_state = skeleton["optimizer"]
-    compat.check_class(saved, opt_state["param_groups"], opt_state["state"], opt.optimizer)
-    return compat.match_groups(saved, opt._plan)
+    compat.check_class(saved, opt_state["param_groups"], opt_state["state"], view.inner)
+    return compat.match_groups(saved, view.groups)
 
 
 def load_consolidated(state, model, opt):
@@ -173,19 +176,20 @@ def load_consolidated(state, model, opt):
 
 
 def _load(state, model, opt, source, failure=None):
-    with opt._materialized(write_back=True):
-        _load_into(state, model, opt, source, failure)
+    view = opt.sharded_state
+    with view.materialized(write_back=True):
+        _load_into(state, model, view, source, failure)
 
 
-def _load_into(state, model, opt, source, failure):
-    skeleton, tensors = _share_structure(state, source, opt._storage.scope, failure)
-    order = _check_fits(skeleton, opt)
-    state = _fill(skeleton, tensors, opt._device, opt._storage.scope)
-    inner = opt.optimizer
+def _load_into(state, model, view, source, failure):
+    skeleton, tensors = _share_structure(state, source, view.scope, failure)
+    order = _check_fits(skeleton, view)
+    state = _fill(skeleton, tensors, view.device, view.scope)
+    inner = view.inner
     model_state, opt_state = state["model"], state["optimizer"]
-    r = opt._rank
+    r = view.rank
     with torch.no_grad():
-        for s, mp in zip(opt._shards, opt._master_params):
+        for s, mp in zip(view.shards, view.masters):
             full = model_state[s.name].reshape(-1).float()
             padded = torch.zeros(s.padded, dtype=torch.float32)
             padded[:s.numel] = full
@@ -210,17 +214,18 @@ def _load_into(state, model, opt, source, failure):
             for k, v in model.state_dict().items():
                 if k in others:
                     v.copy_(others[k])
-    scaler = (state.get("zero") or {}).get("loss_scaler")
-    if opt.loss_scaler is not None and scaler:
-        opt.loss_scaler.load_state_dict(scaler)
-    opt._gather_params()
+    meta = state.get("zero") or {}
+    if view.loss_scaler is not None and meta.get("loss_scaler"):
+        view.loss_scaler.load_state_dict(meta["loss_scaler"])
+    view.set_step_count(meta.get("step_count"))
+    view.publish()
 
 
 def save_checkpoint(path, model, opt):
     """Writes the consolidated state to `path` from rank 0, atomically: a temporary
     file in the same folder, flushed, then renamed over `path`."""
     state = consolidated_state_dict(model, opt)
-    failure, scope = None, opt._storage.scope
+    failure, scope = None, opt.sharded_state.scope
     if scope.is_root():
         try:
             _write(path, state)
@@ -245,7 +250,7 @@ def _write(path, state):
 def load_checkpoint(path, model, opt):
     """Reads a checkpoint written by save_checkpoint (by a job of any size)."""
     state, failure = None, None
-    if opt._storage.scope.is_root():
+    if opt.sharded_state.scope.is_root():
         try:
             state = torch.load(path, map_location="cpu", weights_only=False)
         except Exception as e:  # sent to every rank, which then all raise

@@ -15,21 +15,21 @@ saved views (FSDP2 does the same with its unsharded parameters)."""
 
 import torch
 
-from horovod_zero.torch import mpi_ops
-from horovod_zero.torch.zero.plan import plan_group
+from horovod_zero.torch import enqueue as ops
+from horovod_zero.torch.zero.core.plan import plan_group
 
 
 class ShardedStorage:
-    def __init__(self, rank, size, param_device, master_device, param_dtype, config, sharded_params):
-        self.rank, self.size = rank, size
+    def __init__(self, groups, param_device, master_device, param_dtype, init_chunk_bytes, sharded_params):
+        # Which ranks share this rank's shards (hybrid.ShardGroups): this rank's place among
+        # them, their number, the set that reduce-scatters and gathers them, and the optimizer's
+        # whole scope.
+        self.groups = groups
+        self.rank, self.size = groups.rank, groups.size
         self.param_device, self.master_device = param_device, master_device
         self.param_dtype = param_dtype
-        self.config = config
+        self._init_chunk_bytes = init_chunk_bytes  # HOROVOD_ZERO_INIT_CHUNK_BYTES
         self.sharded_params = sharded_params  # stage 3: full parameters exist only while gathered
-        # Which ranks share this rank's shards (hybrid.py): the set that reduce-scatters and
-        # gathers them, and the set that averages the replicas. None: the global set, none.
-        self.shard_set, self.cross_set = None, None
-        self.scope = None  # hybrid.Scope: every rank, or process_set='s
         # Indexed by shard index (the parameter's position in the optimizer's order).
         self.shards, self.params, self.stores, self.master_params = [], [], [], []
         self.master, self.plan = [], []  # per param group: flat fp32 buffer, its ParamShards
@@ -47,7 +47,7 @@ class ShardedStorage:
         for g, group in enumerate(groups, first):
             plan.append(plan_group(group["params"], names, self.size, g, index + sum(map(len, plan))))
         shards = [s for g in plan for s in g]
-        _broadcast_initial_values(shards, params, self.scope.process_set, self.scope.root)
+        _broadcast_initial_values(shards, params, self.groups.scope.process_set, self.groups.scope.root)
         chunk = self._init_chunk(shards, params)
         self.init_path = "device" if chunk is None else f"chunked ({chunk} elements)"
         for group, group_shards in zip(groups, plan):
@@ -62,8 +62,8 @@ class ShardedStorage:
         """None: build on the device directly. Otherwise the number of elements per chunk
         for the fallback, which stages each parameter through host memory so that its
         device copy is freed before its new storage is allocated."""
-        if self.config.init_chunk_bytes:
-            return max(1, self.config.init_chunk_bytes // 4)
+        if self._init_chunk_bytes:
+            return max(1, self._init_chunk_bytes // 4)
         if self.param_device.type != "cuda":
             return None
         free, _ = torch.cuda.mem_get_info(self.param_device)
@@ -143,10 +143,10 @@ def _broadcast_initial_values(shards, params, process_set, root):
     master shards are built from them, so a broadcast_parameters() after wrapping
     (which would reach the parameters but not the masters) changes nothing."""
     with torch.no_grad():
-        handles = [mpi_ops.broadcast_async_(p.data, root, name=f"zero.init.{s.index}", process_set=process_set)
-                   for s, p in zip(shards, params) if p.is_contiguous()]
-        mpi_ops.synchronize(handles)
+        handles = [ops._enqueue_one(ops._core.OP_BROADCAST, p.data, p.data, f"zero.init.{s.index}", root=root,
+                                    process_set=process_set) for s, p in zip(shards, params) if p.is_contiguous()]
+        ops.synchronize(handles)
         for s, p in zip(shards, params):
             if not p.is_contiguous():
-                p.data = mpi_ops.broadcast(p.data.contiguous(), root, name=f"zero.init.{s.index}",
-                                           process_set=process_set)
+                p.data = ops.synchronize(ops._broadcast_async(p.data.contiguous(), root, f"zero.init.{s.index}",
+                                                              process_set))

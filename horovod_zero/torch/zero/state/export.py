@@ -10,8 +10,8 @@ import struct
 
 import torch
 
-from horovod_zero.torch import mpi_ops
-from horovod_zero.torch.functions import broadcast_object
+from horovod_zero.torch import enqueue as ops
+from horovod_zero.torch.objects import broadcast_object
 
 _CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -19,16 +19,16 @@ _CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", to
 _DTYPES = {v: k for k, v in _CODES.items()}
 
 
-def _entries(model, opt):
+def _entries(model, view):
     """(name, shape, dtype, source) in state_dict order: source is a shard index (gathered
     from the master shards) or a tensor the model holds whole (buffers, untrained parameters)."""
-    index = {p: s.index for s, p in zip(opt._shards, opt._params)}
+    index = {p: s.index for s, p in zip(view.shards, view.params)}
     params = dict(model.named_parameters(remove_duplicate=False))
     out = []
     for name, t in model.state_dict(keep_vars=True).items():
         p = params.get(name)
         if p is not None and p in index:
-            s = opt._shards[index[p]]
+            s = view.shards[index[p]]
             out.append((name, tuple(s.shape), torch.float32, s.index))
         else:
             out.append((name, tuple(t.shape), t.dtype, t))
@@ -49,14 +49,15 @@ def save_model(path, model, opt):
     """Writes the model's full weights (fp32 for the trained parameters) to `path` from
     rank 0, streamed parameter by parameter, atomically (a temporary file renamed over
     `path`). Every rank must call it. Read it with load_model() or safetensors."""
-    with opt._materialized():  # NVMe offload: the master shards are on disk
-        _save_model(path, model, opt)
+    view = opt.sharded_state
+    with view.materialized():  # NVMe offload: the master shards are on disk
+        _save_model(path, model, view)
 
 
-def _save_model(path, model, opt):
-    entries = _entries(model, opt)
+def _save_model(path, model, view):
+    entries = _entries(model, view)
     tmp, f, failure = f"{path}.tmp.{os.getpid()}", None, None
-    scope = opt._storage.scope
+    scope = view.scope
     if scope.is_root():
         try:
             f = open(tmp, "wb")
@@ -66,9 +67,9 @@ def _save_model(path, model, opt):
             failure, f = e, None
     for name, shape, _, source in entries:
         if isinstance(source, int):
-            s = opt._shards[source]
-            shard = opt._master_params[source].detach().float().contiguous()
-            t = mpi_ops.allgather(shard, name=f"zero.export.{source}", process_set=opt._storage.shard_set)[:s.numel]
+            s = view.shards[source]
+            shard = view.masters[source].detach().float().contiguous()
+            t = ops.synchronize(ops._allgather_async(shard, f"zero.export.{source}", None, view.shard_set))[:s.numel]
         else:
             t = source.detach()
         if f is not None and failure is None:

@@ -2,20 +2,24 @@
 rank's shards. Stages 2 and 3 start as each gradient becomes ready in backward,
 in buckets; stage 1, a coalescing block, and backward_passes_per_step=N wait so
 that each parameter is reduced once per step. A full gradient is dropped from the
-parameter when it is taken; the runtime frees it once its collective is done."""
+parameter when it is taken; the runtime frees it once its collective is done.
+Where the reduced shards go is the sink's business (core/protocols.py GradSink): the
+master shards' .grad (core/step.py), or the host (offload/)."""
 
 import collections
 import contextlib
 
 import torch
 
-from horovod_zero.torch import mpi_ops
+from horovod_zero.torch import enqueue as ops
 from horovod_zero.torch.basics import _core
 
 
 class GradReducer:
-    def __init__(self, storage, eager, backward_passes_per_step, reduce_dtype, bucket_bytes):
+    def __init__(self, storage, sink, eager, backward_passes_per_step, reduce_dtype, bucket_bytes):
         self._storage = storage
+        self._groups = storage.groups
+        self._sink = sink
         self._eager = eager  # reduce in backward (stages 2 and 3) rather than at step()
         self._bpps = backward_passes_per_step
         self._reduce_dtype = reduce_dtype
@@ -27,12 +31,10 @@ class GradReducer:
         self._had_grad = {}  # shard index -> whether this rank had a gradient for it this step
         self._bucket, self._bucket_bytes = [], 0  # gradients taken, not yet submitted
         self._delay = []  # shard index -> backward passes until its next reduction
-        self.reduced = False  # master grads hold this step's reduced gradients
+        self._reduced = False  # the sink holds this step's reduced gradients
         self.coalescing = False
-        # Offload (offload/host.py): reduced shards go to the sink instead of the master
-        # grads, each as soon as its reduction is done, so its copy to the host runs
-        # under the rest of backward.
-        self.sink = None
+        # A sink that takes_early (offload) gets each shard as soon as its reduction is done,
+        # so that its copy to the host runs under the rest of backward.
         self._done = {}  # shard index -> outputs of reductions already finished this step
         self._undrained = collections.deque()  # shard indices submitted, in order, not yet drained
         self._sunk = set()  # shard indices whose first reduction the sink took early
@@ -40,16 +42,14 @@ class GradReducer:
     @property
     def busy(self):
         """Whether gradients of this step are waiting for step()."""
-        return bool(self.coalescing or self._pending or self._bucket or self.reduced)
+        return bool(self.coalescing or self._pending or self._bucket or self._reduced)
 
     def extend(self, count):
         self._delay += [self._bpps] * count
 
     def on_grad_ready(self, p):
         """A parameter's gradient is accumulated (post-accumulate-grad hook)."""
-        begin = getattr(self.sink, "begin", None)
-        if begin is not None:
-            begin()  # overlap_step: the step's hyperparameters are the ones backward began with
+        self._sink.begin()  # overlap_step: the step's hyperparameters are the ones backward began with
         if self.coalescing or not self._eager:
             return
         s = self._storage.shard_of[p]
@@ -75,21 +75,21 @@ class GradReducer:
         that their handles let go of the full gradients they reduced: backward then holds
         only the gradients still in flight. Stops at the first one still running (they
         finish in order), so a flush polls few handles; wait=True waits for each instead.
-        Offload's sink gets each shard here, except with hybrid sharding, where a shard is
-        final only after its cross-node average."""
-        early = self.sink is not None and self._storage.cross_set is None
+        A sink that takes_early gets each shard here, unless a shard is final only after the
+        average of its replicas (hybrid sharding)."""
+        early = self._sink.takes_early and self._groups.final_after_reduce_scatter
         while self._undrained:
             index = self._undrained[0]
             handles = self._pending[index]
-            while handles and (wait or mpi_ops.poll(handles[0])):
-                self._done.setdefault(index, []).append(mpi_ops.synchronize(handles.pop(0)))
+            while handles and (wait or ops.poll(handles[0])):
+                self._done.setdefault(index, []).append(ops.synchronize(handles.pop(0)))
             if handles:
                 return
             self._undrained.popleft()
             done = self._done[index]
             if early and len(done) == 1 and self._had_grad.get(index) and index not in self._sunk:
                 self._sunk.add(index)
-                self.sink.take_grad(self._storage.shards[index], done, early=True)
+                self._sink.take_grad(self._storage.shards[index], done, early=True)
 
     def _take(self, s, p):
         """Takes p's gradient for reduction: later backward passes start afresh."""
@@ -115,7 +115,7 @@ class GradReducer:
         # The k-th reduction of a parameter in a step has its own name: every rank
         # runs the same backward passes, so the names agree.
         names, seen = [], {}
-        one_reduction = getattr(self.sink, "one_reduction", False)
+        one_reduction = self._sink.one_reduction
         for s, _, _ in taken:
             if one_reduction and (s.index in self._pending or s.index in seen):
                 raise RuntimeError(
@@ -126,8 +126,8 @@ class GradReducer:
             seen[s.index] = seen.get(s.index, 0) + 1
             names.append(f"zero.grad.{s.index}.{k}")
         # The runtime holds the inputs until their collective is done, then frees them.
-        handles = mpi_ops._enqueue(_core.OP_REDUCESCATTER, ins, outs, names, mpi_ops.Average,
-                                   process_set=self._storage.shard_set)
+        handles = ops._enqueue(_core.OP_REDUCESCATTER, ins, outs, names, ops.Average,
+                               process_set=self._groups.shard_set)
         for h, (s, _, _) in zip(handles, taken):
             self._pending.setdefault(s.index, []).append(h)
         self._undrained.extend(s.index for s, _, _ in taken)
@@ -143,12 +143,12 @@ class GradReducer:
         self._submit([self._take(s, p) for s, p in self._trained() if s.index not in self._pending or p.grad is not None])
 
     def finish(self, unscale):
-        """Waits for this step's reductions and sets each master shard's .grad to the
-        sum of its reductions (fp32, times `unscale`)."""
-        if self.reduced:
+        """Waits for this step's reductions and hands each shard's outputs to the sink, with
+        the factor `unscale` (loss-scale unscaling) they are used with."""
+        if self._reduced:
             return
         self.submit_rest()
-        if self.sink is not None:
+        if self._sink.takes_early:
             # The CPU is usually well ahead of backward on the GPU: the sink gets each shard
             # as its reduction finishes there, so its copy to the host (and with
             # overlap_step its host step) runs beside the rest of backward. The allreduce
@@ -156,40 +156,27 @@ class GradReducer:
             self._drain(wait=True)
         trained = self._trained()
         had = self._had_grad_anywhere(trained)
-        masters = self._storage.master_params
-        if self.sink is not None:
-            self.sink.scale = unscale
+        self._sink.set_unscale(unscale)
         # One output per reduction this step.
-        outputs = {s.index: self._done.pop(s.index, []) + [mpi_ops.synchronize(h) for h in self._pending.get(s.index, ())]
+        outputs = {s.index: self._done.pop(s.index, []) + [ops.synchronize(h) for h in self._pending.get(s.index, ())]
                    for s, _ in trained}
-        if self._storage.cross_set is not None:
-            self._average_across_nodes(trained, had, outputs)
+        if not self._groups.final_after_reduce_scatter:
+            items = [(s, sum(outputs[s.index][1:], outputs[s.index][0])) for (s, _), flag in zip(trained, had) if flag]
+            self._groups.average_replicas(items)
+            outputs.update((s.index, [t]) for s, t in items)
         for (s, _), flag in zip(trained, had):
             outs = outputs[s.index]
-            if self.sink is not None:
-                if not flag:
-                    self.sink.no_grad(s)
-                elif s.index not in self._sunk or len(outs) > 1:
-                    self.sink.take_grad(s, outs, early=False, local=self._had_grad.get(s.index, False))
-                continue
             if not flag:
-                # No rank had a gradient: grad None, so the inner optimizer skips the parameter
-                # (no weight decay, no momentum) exactly as torch would.
-                masters[s.index].grad = None
-                continue
-            g = outs[0].to(device=masters[s.index].device, dtype=torch.float32)  # no copy when already there
-            for o in outs[1:]:
-                g.add_(o.to(g.device))
-            if unscale != 1.0:
-                g.mul_(unscale)  # in fp32: the scaled fp16 values are exact, the unscaled ones may not be
-            masters[s.index].grad = g
-        self._pending.clear()
-        self._done.clear()
-        self._undrained.clear()
-        self._sunk.clear()
-        self._had_grad.clear()
-        self._delay = [self._bpps] * len(self._storage.shards)
-        self.reduced = True
+                self._sink.no_grad(s)  # no rank had a gradient: the inner optimizer skips it, as torch would
+            elif s.index not in self._sunk or len(outs) > 1:
+                self._sink.take_grad(s, outs, early=False, local=self._had_grad.get(s.index, False))
+        self._reset()
+        self._reduced = True
+
+    def hand_over(self):
+        """The step took this step's reduced gradients: the next backward starts a new step
+        (finish() reduces again)."""
+        self._reduced = False
 
     def discard(self):
         """zero_grad() before step() (or after a backward that raised): as in torch, the
@@ -198,27 +185,19 @@ class GradReducer:
         handles = [h for hs in self._pending.values() for h in hs]
         self._pending.clear()
         if handles:
-            mpi_ops.synchronize(handles)
+            ops.synchronize(handles)
+        self._reset()
+        self._bucket, self._bucket_bytes = [], 0
+        self._reduced = False
+
+    def _reset(self):
+        """Forgets this step's reductions: the next step starts afresh."""
+        self._pending.clear()
         self._done.clear()
         self._undrained.clear()
         self._sunk.clear()
         self._had_grad.clear()
-        self._bucket, self._bucket_bytes = [], 0
         self._delay = [self._bpps] * len(self._storage.shards)
-        self.reduced = False
-
-    def _average_across_nodes(self, trained, had, outputs):
-        """Hybrid sharding: each reduced shard (its reductions summed) averaged with its
-        replicas on the other nodes, by one grouped allreduce in the cross set; replaces
-        `outputs` of those shards with the one result."""
-        items = [(s, sum(outputs[s.index][1:], outputs[s.index][0])) for (s, _), flag in zip(trained, had) if flag]
-        if not items:
-            return
-        tensors = [t for _, t in items]
-        mpi_ops.synchronize(mpi_ops._enqueue(_core.OP_ALLREDUCE, tensors, tensors,
-                                             [f"zero.cross.{s.index}" for s, _ in items], mpi_ops.Average,
-                                             process_set=self._storage.cross_set))
-        outputs.update((s.index, [t]) for s, t in items)
 
     def _had_grad_anywhere(self, trained):
         """Per trained parameter, whether any rank had a gradient for it this step."""
@@ -228,7 +207,8 @@ class GradReducer:
         # not Gloo's TCP pairs (~1 ms an op on an 8-GPU host).
         had = torch.tensor([1.0 if self._had_grad.get(s.index) else 0.0 for s, _ in trained],
                            device=self._storage.param_device)
-        had = mpi_ops.allreduce(had, op=mpi_ops.Max, name="zero.had_grad", process_set=self._storage.scope.process_set)
+        had = ops.synchronize(ops._allreduce_async(had, "zero.had_grad", ops.Max, 1.0, 1.0,
+                                                   self._groups.scope.process_set))
         return [f > 0 for f in had.tolist()]
 
     @contextlib.contextmanager

@@ -1,0 +1,60 @@
+"""Stages 1 and 2: every parameter is whole on every rank. After a step the new
+master shards are allgathered into the parameters' buffers; with
+overlap_param_gather=True step() returns once the gathers are queued, and each gather
+unit's forward (and the model's, for what no unit holds) waits for its own
+parameters first, so that later layers' gathers run under earlier layers' compute.
+Stage 3's Params is stage3/hooks.py."""
+
+from horovod_zero.torch.zero.core.units import assign
+from horovod_zero.torch.zero.core.weak import weak_hook
+
+
+class WholeParams:
+    def __init__(self, model, storage, gatherer, step, wait_units):
+        """`wait_units`: with overlap_param_gather, the modules whose forward waits for
+        their parameters (core/units.py wait_units); None without it."""
+        self._model = model
+        self._st = storage
+        self._gatherer = gatherer
+        self._step = step  # the StepStrategy: its forward_wait() waits for a unit's parameters
+        self._wait_units = wait_units
+        self.hooks = []
+
+    def on_new_params(self, params):
+        if self._wait_units is None:
+            return
+        # A module may read a child's weights without calling it (MultiheadAttention reads
+        # out_proj's), so a unit waits for every parameter of its subtree; see units.py.
+        per_unit, root = assign(self._model, self._wait_units, self._st.shard_of)
+        ours = {self._st.shard_of[p].index for p in params}
+        for m, own in [(self._model, root)] + list(zip(self._wait_units, per_unit)):
+            own = tuple(i for i in own if i in ours)
+            if own:
+                self.hooks.append(m.register_forward_pre_hook(weak_hook(self, "_forward_wait", own)))
+
+    def _forward_wait(self, indices, module, args):
+        self._step.forward_wait(indices)
+
+    def forward_checks(self):
+        # One parameter's storage, O(1) a forward: model.float()/.half()/.to() after wrapping
+        # replace every parameter's, and the forward would run on weights that never update.
+        return range(min(1, len(self._st.shards)))
+
+    def check_at_rest(self):
+        pass
+
+    def publish(self, wait):
+        """Allgathers the master shards into the parameters; wait=False leaves the handles
+        for wait_for_params() (the forward hooks, or the next step)."""
+        indices = range(len(self._st.shards))
+        self._gatherer.gather(indices)
+        if wait:
+            self._step.params_ready(None)
+            self._gatherer.wait(indices)
+            self._gatherer.release(indices)
+
+    def free(self):
+        pass
+
+    def gathered(self, rank0_only):
+        raise ValueError("gathered_params() is for stage=3; at stages 1 and 2 the parameters are always whole.")

@@ -1,0 +1,95 @@
+"""What the parts of the ZeRO optimizer need from each other, as typing.Protocols.
+Each collaborator is given to its user's constructor; nothing sets a part's fields
+after it is built. Two implementations of each: the device's (core/) and offload's
+(offload/)."""
+
+from typing import ContextManager, Iterable, List, Optional, Protocol, Sequence
+
+import torch
+
+from horovod_zero.torch.zero.core.plan import ParamShard
+
+
+class GradSink(Protocol):
+    """Where GradReducer puts each parameter's reduced gradient shard(s): the fp32
+    master shard's .grad (core/step.py), or the host (offload/host.py, overlap.py)."""
+
+    takes_early: bool    # hand a shard over as soon as its one reduction is done, during backward
+    one_reduction: bool  # refuse a second reduction of a shard in one step
+
+    def begin(self) -> None:
+        """A gradient of this step is ready (backward has begun)."""
+
+    def set_unscale(self, factor: float) -> None:
+        """The factor (loss-scale unscaling) this step's gradients are used with."""
+
+    def take_grad(self, s: ParamShard, outs: List[torch.Tensor], early: bool, local: bool = False) -> None:
+        """Shard s's reductions of this step are done: `outs` are their outputs."""
+
+    def no_grad(self, s: ParamShard) -> None:
+        """No rank had a gradient for shard s this step."""
+
+
+class GatherSource(Protocol):
+    """What ParamGatherer allgathers into the parameters: the master shards (cast on
+    the way in), or offload's param_dtype copies."""
+
+    in_param_dtype: bool  # the sources are param_dtype already: no cast after the gather
+    stream: Optional["torch.cuda.Stream"]  # where sources are copied and gathers enqueued (None: current)
+
+    def before(self, indices: Sequence[int]) -> None:
+        """Waits until the values of these shards are there to be read."""
+
+    def tensor(self, i: int, store: torch.Tensor) -> torch.Tensor:
+        """The gather input of shard i, on the parameters' device; `store` its output buffer."""
+
+
+class Params(Protocol):
+    """How the model's parameters hold the master shards' values between steps: whole
+    at stages 1 and 2 (core/params.py), gathered unit by unit at stage 3 (stage3/)."""
+
+    hooks: list
+
+    def on_new_params(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Parameters were sharded (construction, add_param_group)."""
+
+    def forward_checks(self) -> Iterable[int]:
+        """The shards whose storage the model's forward pre-hook checks."""
+
+    def check_at_rest(self) -> None:
+        """Refuses a step() while parameters are still in use by a forward."""
+
+    def publish(self, wait: bool) -> None:
+        """The master shards changed: make the parameters follow."""
+
+    def free(self) -> None:
+        """zero_grad(): drop whatever a forward left gathered."""
+
+    def gathered(self, rank0_only: bool) -> ContextManager:
+        """Every parameter whole for the block."""
+
+
+class StepStrategy(Protocol):
+    """What differs between the step on the device and the step on the host (CPU and
+    NVMe offload): refusals, the overflow check, the norm and clipping, the step, and
+    publishing the new parameters."""
+
+    sink: GradSink
+    source: GatherSource
+
+    def add_shards(self, shards: Sequence[ParamShard], stores: Sequence[torch.Tensor]) -> None: ...
+    def check_add_group(self) -> None: ...
+    def check_step(self, closure) -> None: ...
+    def check_clip(self) -> None: ...
+    def found_inf(self) -> bool: ...
+    def clip(self, max_norm: float) -> torch.Tensor: ...
+    def step(self, closure, params: Params, overlap: bool): ...
+    def skip(self) -> None: ...
+    def refresh(self) -> None: ...
+    def params_ready(self, indices: Optional[Sequence[int]]) -> None: ...
+    def forward_wait(self, indices: Sequence[int]) -> None: ...
+    def check_skip(self) -> None: ...
+    def check_between_steps(self) -> None: ...
+    def materialized(self, write_back: bool) -> ContextManager: ...
+    def clear(self) -> None: ...
+    def stats(self) -> dict: ...

@@ -1,0 +1,127 @@
+"""The step on the device (no offload): the reduced gradient shards become the fp32
+master shards' .grad, the inner optimizer steps the master shards where they are,
+and the parameters follow by allgather (stages 1 and 2) or at their next gather
+(stage 3). offload/host_step.py is the other StepStrategy (core/protocols.py)."""
+
+import contextlib
+
+import torch
+
+from horovod_zero.torch.zero.core import norms
+from horovod_zero.torch.zero.core.gather import ParamGatherer
+
+
+class MasterGrads:
+    """GradSink: each shard's reductions, summed in fp32 and unscaled, as its master's .grad."""
+
+    takes_early = False
+    one_reduction = False
+
+    def __init__(self, storage):
+        self._st = storage
+        self._unscale = 1.0
+
+    def begin(self):
+        pass
+
+    def set_unscale(self, factor):
+        self._unscale = factor
+
+    def take_grad(self, s, outs, early, local=False):
+        master = self._st.master_params[s.index]
+        g = outs[0].to(device=master.device, dtype=torch.float32)  # no copy when already there
+        for o in outs[1:]:
+            g.add_(o.to(g.device))
+        if self._unscale != 1.0:
+            g.mul_(self._unscale)  # in fp32: the scaled fp16 values are exact, the unscaled ones may not be
+        master.grad = g
+
+    def no_grad(self, s):
+        # grad None: the inner optimizer skips the parameter (no weight decay, no momentum).
+        self._st.master_params[s.index].grad = None
+
+
+class MasterSource:
+    """GatherSource: the fp32 master shards, cast to param_dtype in the gather's copy-in."""
+
+    in_param_dtype = False
+    stream = None
+
+    def __init__(self, storage):
+        self._st = storage
+
+    def before(self, indices):
+        pass
+
+    def tensor(self, i, store):
+        return self._st.master_params[i].detach().to(self._st.param_device)
+
+
+class DeviceStep:
+    """StepStrategy of the master shards on the parameters' device."""
+
+    def __init__(self, storage, optimizer, downcast):
+        self._st = storage
+        self._optimizer = optimizer
+        self.sink = MasterGrads(storage)
+        self.gatherer = ParamGatherer(storage, MasterSource(storage), downcast)
+
+    def _grads(self):
+        return [mp.grad for mp in self._st.master_params if mp.grad is not None]
+
+    def add_shards(self, shards, stores):
+        pass
+
+    def check_add_group(self):
+        pass
+
+    def check_step(self, closure):
+        pass
+
+    def check_clip(self):
+        pass
+
+    def found_inf(self):
+        return norms.found_inf(self._grads(), self._st.groups.scope.process_set, self._st.param_device)
+
+    def clip(self, max_norm):
+        grads = self._grads()
+        # Over the ranks holding one copy of every shard (all of them, or one node's).
+        total = norms.global_norm(grads, self._st.groups.shard_set, self._st.param_device)
+        coef = norms.clip_coef(total, max_norm)
+        if coef < 1.0 and grads:
+            torch._foreach_mul_(grads, coef)
+        return total.float()
+
+    def step(self, closure, params, overlap):
+        loss = self._optimizer.step(closure)
+        params.publish(wait=not overlap)
+        return loss
+
+    def skip(self):
+        pass
+
+    def refresh(self):
+        pass
+
+    def params_ready(self, indices):
+        pass
+
+    def forward_wait(self, indices):
+        if self.gatherer.in_flight:
+            self.gatherer.wait(indices)
+
+    def check_skip(self):
+        pass
+
+    def check_between_steps(self):
+        pass
+
+    def materialized(self, write_back):
+        return contextlib.nullcontext()
+
+    def clear(self):
+        pass
+
+    def stats(self):
+        return {}
