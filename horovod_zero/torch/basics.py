@@ -27,7 +27,7 @@ class _State:
         self.generation = 0
         self.exact_gradients = False  # HOROVOD_ZERO_EXACT_GRADIENTS, see autograd.py
         self.homogeneous = True  # every node runs the same number of ranks
-        # What process sets' transports are built with (process_sets.py), and the sets.
+        # What process sets' transports are built with (job.py), and the sets.
         self.shm_name = ""
         self.transport_timeout_seconds = 30.0
         self.gloo_iface = ""

@@ -399,3 +399,47 @@ def test_grad_scaler_is_refused_with_the_built_in_loss_scaling_named(two_ranks):
     for msg, unchanged in two_ranks.run(_grad_scaler):
         assert msg is not None and "GradScaler" in msg and "loss_scaler=" in msg and "scale_loss" in msg, msg
         assert unchanged
+
+
+def _rewrapped(stage, overlap):
+    """A second optimizer over the same model after the first is dropped (to change its
+    settings, say): the first must let go of the model at once, with its hooks, without
+    waiting for the cycle collector, or its gradient hooks would take the gradients first
+    and the new optimizer would never train."""
+    import gc
+    gc.disable()  # a collection would hide an optimizer kept alive by a reference cycle
+    try:
+        model = _model()
+        units = {"units": [torch.nn.Linear]} if stage == 3 else {}
+        hooks_before = _hook_count(model)
+        opt = hvd.DistributedZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, stage=stage,
+                                           overlap_param_gather=overlap, **units)
+        _train(model, opt, 1)
+        del opt
+        left = _hook_count(model) - hooks_before
+        if stage == 3:  # its parameters hold no values at rest: there is nothing to train again
+            return left, None
+        opt = hvd.DistributedZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, stage=stage,
+                                           **units)
+        before = [p.detach().clone() for p in model.parameters()]
+        _train(model, opt, 1, start=1)
+        moved = max(float((p.detach() - b).abs().max()) for p, b in zip(model.parameters(), before))
+    finally:
+        gc.enable()
+        hvd.barrier()
+    return left, moved
+
+
+def _hook_count(model):
+    n = 0
+    for m in model.modules():
+        n += len(m._forward_pre_hooks) + len(m._forward_hooks) + len(m._state_dict_pre_hooks)
+        n += sum(len(p._post_accumulate_grad_hooks or {}) for p in m.parameters(recurse=False))
+    return n
+
+
+@pytest.mark.parametrize("stage,overlap", [(1, False), (2, False), (2, True), (3, False)])
+def test_a_dropped_optimizer_lets_go_of_the_model_at_once(two_ranks, stage, overlap):
+    for left, moved in two_ranks.run(_rewrapped, stage, overlap):
+        assert left == 0, f"{left} hooks of the dropped optimizer are still on the model"
+        assert moved is None or moved > 1e-3, moved  # the new optimizer trains

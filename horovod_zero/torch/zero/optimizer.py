@@ -35,7 +35,7 @@ import torch
 from horovod_zero.torch.zero import hybrid
 from horovod_zero.torch.zero.config import ZeroConfig
 from horovod_zero.torch.zero.core.loss_scale import LossScaler
-from horovod_zero.torch.zero.core.params import WholeParams
+from horovod_zero.torch.zero.core.params import WholeParams, wait_for_params
 from horovod_zero.torch.zero.core.reduce import GradReducer
 from horovod_zero.torch.zero.core.step import DeviceStep
 from horovod_zero.torch.zero.core.storage import ShardedStorage
@@ -109,38 +109,41 @@ class DistributedZeroOptimizer:
         self.options = options
         self.config = ZeroConfig.from_env()
         # Refused before anything changes.
-        unit_modules = find_units(model, units) if stage == 3 else None
-        forward_waits = wait_units(model, units) if overlap_param_gather and stage < 3 else None
+        unit_modules = find_units(model, options.units) if options.stage == 3 else None
+        forward_waits = (wait_units(model, options.units) if options.overlap_param_gather and options.stage < 3
+                         else None)
         remake_state = holds_constructor_state(optimizer)
         self.optimizer = optimizer
-        self.stage = stage
+        self.stage = options.stage
         self.loss_scaler = loss_scaler
         self.step_count = 0
-        groups = hybrid.shard_groups(options.shard_group, process_set)
+        groups = hybrid.shard_groups(options.shard_group, options.process_set)
         self._names = check_names(optimizer, model, named_parameters)
         self._model = weakref.ref(model) if model is not None else None
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        device = placement.resolve(device, params, model, self._names or {})
-        self._storage = ShardedStorage(groups, device, options.master_device(device), param_dtype,
-                                       self.config.init_chunk_bytes, sharded_params=stage == 3)
+        device = placement.resolve(options.device, params, model, self._names or {})
+        self._storage = ShardedStorage(groups, device, options.master_device(device), options.param_dtype,
+                                       self.config.init_chunk_bytes, sharded_params=options.stage == 3)
         if options.offloaded:
             self._step = HostStep(options, self._storage, optimizer, self.config.downcast,
                                   logging.getLogger("horovod_zero").warning)
         else:
             self._step = DeviceStep(self._storage, optimizer, self.config.downcast)
         self._gatherer = self._step.gatherer
-        self._reducer = GradReducer(self._storage, self._step.sink, stage >= 2, backward_passes_per_step,
-                                    reduce_dtype, self.config.bucket_bytes)
+        self._reducer = GradReducer(self._storage, self._step.sink, options.stage >= 2,
+                                    options.backward_passes_per_step, options.reduce_dtype, self.config.bucket_bytes)
         self._hooks = []
         weakref.finalize(self, _remove_all, self._hooks)  # hooks go when the optimizer goes
-        self._cast_to = param_dtype if cast_forward_inputs else None
+        self._cast_to = options.param_dtype if options.cast_forward_inputs else None
         if model is not None:  # before stage 3's hooks: the check of the storage runs first
             self._hooks.append(model.register_forward_pre_hook(weak_hook(self, "_before_forward"), with_kwargs=True))
-        if stage == 3:
+        if options.stage == 3:
             self._params = Stage3(model, unit_modules, self._storage, self._gatherer, self._reducer,
-                                  self.config.prefetch, reshard_after_forward, reshard_root_after_forward)
+                                  self.config.prefetch, options.reshard_after_forward,
+                                  options.reshard_root_after_forward)
         else:
             self._params = WholeParams(model, self._storage, self._gatherer, self._step, forward_waits)
+        weakref.finalize(self, _remove_all, self._params.hooks)  # also those it adds later
         self._slots = []
         optimizer.state.clear()  # constructor state for the full parameters: made again for the shards below
         self._shard_groups(0)
@@ -149,11 +152,10 @@ class DistributedZeroOptimizer:
         self._remake_state = remake_state
         if remake_state:
             optimizer.state.update(created_state(optimizer, optimizer.param_groups))
-        if overlap_param_gather:
+        if options.overlap_param_gather:
             # A state_dict() taken after step() must see the gathered values.
             self._hooks.append(model.register_state_dict_pre_hook(weak_hook(self, "_wait_all_hook")))
-        self.sharded_state = ShardedStateView(self, self._storage, self._step, self._names is not None,
-                                             options.offload_optimizer == "nvme")
+        self.sharded_state = ShardedStateView(self, self._storage, self._step, self._names is not None)
 
     @property
     def init_path(self):
@@ -288,9 +290,10 @@ class DistributedZeroOptimizer:
         """loss * the current loss scale (unchanged without loss scaling)."""
         return loss * self.loss_scaler.scale if self.loss_scaler is not None else loss
 
-    def _publish(self):
-        """The master shards were rewritten (a load): the parameters take their values.
-        With offload the param_dtype copies are made from the masters first."""
+    def publish_loaded(self):
+        """After the master shards were rewritten in place (what load_state_dict and
+        hvd.zero.load_checkpoint do): the parameters take their values. With offload the
+        param_dtype copies are made from the masters first. Every rank must call it."""
         self.wait_for_params()  # a gather the stream only waited for may still read what a load rewrites
         self._step.refresh()
         self._params.publish(wait=True)
@@ -299,9 +302,7 @@ class DistributedZeroOptimizer:
         """Waits until the parameters hold the values of the last step (all of them, or
         the shards at `indices`). Only needed with overlap_param_gather=True, before
         reading parameters outside the model's forward or state_dict()."""
-        self._step.params_ready(indices)
-        self._gatherer.wait(indices)
-        self._gatherer.release(indices)  # stage 3: gathers the compute stream only waited for
+        wait_for_params(self._step, self._gatherer, indices)
 
     def gathered_params(self, rank0_only=False):
         """Stage 3: a context manager in which every parameter is whole (param_dtype), for

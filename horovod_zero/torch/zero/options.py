@@ -55,11 +55,6 @@ class ZeroOptions:
     def offloaded(self) -> bool:
         return self.offload_optimizer is not None
 
-    @property
-    def overlap_host_gathers(self) -> bool:
-        """overlap_param_gather with offload: step() returns before the host step ends."""
-        return self.overlap_param_gather and self.offloaded
-
     def master_device(self, param_device):
         return torch.device("cpu") if self.offloaded else param_device
 

@@ -9,6 +9,15 @@ from horovod_zero.torch.zero.core.units import assign
 from horovod_zero.torch.zero.core.weak import weak_hook
 
 
+def wait_for_params(step, gatherer, indices=None):
+    """Waits until the parameters hold the values of the last step (all of them, or the
+    shards at `indices`): the step strategy's deferred host step, then the gathers,
+    released (stage 3: also those the compute stream only waited for)."""
+    step.params_ready(indices)
+    gatherer.wait(indices)
+    gatherer.release(indices)
+
+
 class WholeParams:
     def __init__(self, model, storage, gatherer, step, wait_units):
         """`wait_units`: with overlap_param_gather, the modules whose forward waits for
@@ -46,12 +55,9 @@ class WholeParams:
     def publish(self, wait):
         """Allgathers the master shards into the parameters; wait=False leaves the handles
         for wait_for_params() (the forward hooks, or the next step)."""
-        indices = range(len(self._st.shards))
-        self._gatherer.gather(indices)
+        self._gatherer.gather(range(len(self._st.shards)))
         if wait:
-            self._step.params_ready(None)
-            self._gatherer.wait(indices)
-            self._gatherer.release(indices)
+            wait_for_params(self._step, self._gatherer)
 
     def free(self):
         pass

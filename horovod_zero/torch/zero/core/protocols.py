@@ -7,6 +7,7 @@ from typing import ContextManager, Iterable, List, Optional, Protocol, Sequence
 
 import torch
 
+from horovod_zero.torch.zero.core.gather import ParamGatherer
 from horovod_zero.torch.zero.core.plan import ParamShard
 
 
@@ -71,11 +72,14 @@ class Params(Protocol):
 
 class StepStrategy(Protocol):
     """What differs between the step on the device and the step on the host (CPU and
-    NVMe offload): refusals, the overflow check, the norm and clipping, the step, and
-    publishing the new parameters."""
+    NVMe offload): where reduced gradients go (its sink), what is gathered into the
+    parameters (its gatherer, built on its GatherSource), refusals, the overflow check,
+    the norm and clipping, the step, and when the new values reach the parameters
+    (through the Params policy it is given)."""
 
     sink: GradSink
-    source: GatherSource
+    gatherer: ParamGatherer
+    state_on_disk: bool  # NVMe offload: the masters and optimizer state live in files
 
     def add_shards(self, shards: Sequence[ParamShard], stores: Sequence[torch.Tensor]) -> None: ...
     def check_add_group(self) -> None: ...

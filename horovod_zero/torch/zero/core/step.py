@@ -69,6 +69,8 @@ class DeviceStep:
     def _grads(self):
         return [mp.grad for mp in self._st.master_params if mp.grad is not None]
 
+    state_on_disk = False
+
     def add_shards(self, shards, stores):
         pass
 

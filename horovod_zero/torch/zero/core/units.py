@@ -48,17 +48,17 @@ def _largest_module_list(model):
 
 
 def _check_disjoint(model, found):
-    """One module in two units (a unit inside another, or listed twice) is refused."""
+    """A unit inside another unit is refused. A module shared by two units that is no unit
+    itself (a layer two blocks both call) is not: its parameters belong to the root."""
     names = {m: n for n, m in model.named_modules(remove_duplicate=False)}
-    owner = {}
+    units = set(found)
     for u in found:
         for m in u.modules():
-            if m in owner and owner[m] is not u:
+            if m is not u and m in units:
                 raise ValueError(
-                    f"units= puts module '{names.get(m, type(m).__name__)}' in two units "
-                    f"('{names.get(owner[m], '?')}' and '{names.get(u, '?')}'). A module can be in one unit "
-                    "only: list either the outer or the inner modules.")
-            owner[m] = u
+                    f"units= puts module '{names.get(m, type(m).__name__)}' in two units: it is a unit, and it is "
+                    f"inside unit '{names.get(u, '?')}'. A module can be in one unit only: list either the outer "
+                    "or the inner modules.")
 
 
 def assign(model, unit_modules, shard_of):

@@ -9,6 +9,7 @@ import weakref
 
 from horovod_zero.torch.zero.core import norms
 from horovod_zero.torch.zero.core.gather import ParamGatherer
+from horovod_zero.torch.zero.core.params import wait_for_params
 from horovod_zero.torch.zero.offload.host import HostOffload
 from horovod_zero.torch.zero.offload.nvme_state import NvmeState
 from horovod_zero.torch.zero.offload.overlap import OverlapSink
@@ -69,6 +70,10 @@ class HostStep:
             # The worker thread holds the sink (and so the host shards) until told to end.
             weakref.finalize(self, self._overlap.close)
 
+    @property
+    def state_on_disk(self):
+        return self.nvme is not None
+
     def add_shards(self, shards, stores):
         self.host.add_shards(shards, stores)  # the param_dtype copies, from the masters
         if self.nvme is not None:
@@ -117,8 +122,7 @@ class HostStep:
             self._step_chunks(every)
         else:
             self._step_chunks(every, gather=self.gatherer.gather)
-            self.gatherer.wait()
-            self.gatherer.release()
+            wait_for_params(self, self.gatherer)
         if self._st.sharded_params:
             params.publish(wait=False)  # the next forward gathers the new values
         return None

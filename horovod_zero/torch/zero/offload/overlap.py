@@ -30,7 +30,7 @@ from horovod_zero import settings
 from horovod_zero.torch.zero.offload.host import HostOffload
 
 
-# About 6 ms of the host step on 16 cores, as the step's chunks (engine.py).
+# About 6 ms of the host step on 16 cores, as the step's chunks (host_step.py).
 _BATCH_NUMEL = 32 << 20
 
 

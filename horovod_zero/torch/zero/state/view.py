@@ -8,6 +8,7 @@ What a rank holds: for each parameter the optimizer trains (in the optimizer's o
 (core/plan.py ParamShard). The inner optimizer's state is keyed by those master
 shards and shaped like them."""
 
+import weakref
 from typing import List, Optional
 
 import torch
@@ -16,12 +17,14 @@ from horovod_zero.torch.zero.core.plan import ParamShard
 
 
 class ShardedStateView:
-    def __init__(self, opt, storage, step, named, on_disk):
-        self._opt = opt          # for loss_scaler, step_count and publishing after a load
+    def __init__(self, opt, storage, step, named):
+        # The optimizer owns this view: a weak reference, so that dropping the optimizer frees it
+        # (and removes its hooks) at once rather than at the next cycle collection.
+        self._opt = weakref.ref(opt)  # its inner optimizer, loss_scaler, step_count, and publishing
         self._storage = storage
         self._step = step
         self.named = named       # whether shard names are the model's (else param.0, param.1, ...)
-        self.on_disk = on_disk   # NVMe offload: masters and state are read from disk by materialized()
+        self.on_disk = step.state_on_disk  # NVMe offload: materialized() reads masters and state from disk
         self.stage = opt.stage
         self.rank = storage.rank  # this rank's place among the ranks that split each parameter
         self.size = storage.size  # how many ranks split each parameter
@@ -57,29 +60,30 @@ class ShardedStateView:
     @property
     def inner(self) -> torch.optim.Optimizer:
         """The wrapped torch optimizer (its state is keyed by `masters`)."""
-        return self._opt.optimizer
+        return self._opt().optimizer
 
     @property
     def loss_scaler(self):
-        return self._opt.loss_scaler
+        return self._opt().loss_scaler
 
     @property
     def step_count(self) -> int:
         """Steps applied (skipped ones not counted), also across checkpoints."""
-        return self._opt.step_count
+        return self._opt().step_count
 
     def set_step_count(self, n: Optional[int]) -> None:
+        """After a load: the step count the state was saved at (None: not saved, left as is)."""
         if n is not None:
-            self._opt.step_count = int(n)
+            self._opt().step_count = int(n)
 
     def materialized(self, write_back: bool = False):
         """A block in which `masters` and the inner optimizer's state are in memory (NVMe
         offload keeps them on disk) and no step is half done; with write_back, what the
         block changed is written back after it."""
         self._step.check_between_steps()
-        self._opt.wait_for_params()
+        self._opt().wait_for_params()
         return self._step.materialized(write_back)
 
     def publish(self) -> None:
         """After the masters were loaded: the parameters take their values."""
-        self._opt._publish()
+        self._opt().publish_loaded()
