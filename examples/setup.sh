@@ -5,21 +5,53 @@
 # It also installs the Debian packages the build and tests use (liburing for NVMe
 # offload, GoogleTest, Open MPI's mpirun) when they are missing and apt-get can be
 # run, and makes `horovodrun` and `import horovod_zero` work in the environment.
-# Prints the environment's python on its last line.
+# Prints one `[setup]` line per stage on stderr, and the environment's python as the
+# last line of stdout (test/run.sh and examples/run.sh read it). Each stage's full
+# output goes to build/setup.log.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${HOROVOD_ZERO_VENV:-$HOME/.cache/horovod_zero/venv-torch2.11}
 PY=${PYTHON:-python3}
+LOG=$ROOT/build/setup.log
+mkdir -p "$ROOT/build"
+: > "$LOG"
 
-if ! "$VENV/bin/python" -c "import torch, pytest, ninja, cmake, horovod.runner" >/dev/null 2>&1; then
-  echo "[setup] creating $VENV (torch 2.11, pytest, cmake, ninja, Horovod's launcher)" >&2
-  "$PY" -m venv "$VENV"
-  "$VENV/bin/pip" install -q --disable-pip-version-check torch==2.11.0 numpy pytest pytest-timeout cmake ninja \
-      cloudpickle psutil pyyaml packaging >&2
+say() { echo "[setup] $*" >&2; }
+
+# logged WHAT CMD...: runs CMD with its output in $LOG only. While it runs, a line every
+# 20 s shows it is alive (with the log's last line: the package pip is on, ninja's step);
+# if it fails, the end of the log is shown. Returns CMD's status.
+logged() {
+  local what=$1 start rc=0 ticker
+  shift
+  start=$(date +%s)
+  printf '\n== %s: %s\n' "$what" "$*" >> "$LOG"
+  # The ticker's sleep keeps no pipe open, so a reader of this script's output never waits on it.
+  ( while sleep 20 </dev/null >/dev/null 2>&1 && kill -0 $$ 2>/dev/null; do
+      say "  $what: $(( $(date +%s) - start )) s; $(tail -n 1 "$LOG" | cut -c 1-100)"
+    done ) >/dev/null &
+  ticker=$!
+  "$@" >> "$LOG" 2>&1 || rc=$?
+  kill "$ticker" 2>/dev/null || true
+  if [ "$rc" != 0 ]; then
+    say "$what failed (exit $rc); the end of $LOG:"
+    tail -n 30 "$LOG" | sed 's/^/    /' >&2
+  fi
+  return "$rc"
+}
+
+if "$VENV/bin/python" -c "import torch, pytest, ninja, cmake, scikit_build_core, horovod.runner" >/dev/null 2>&1; then
+  say "environment $VENV"
+else
+  say "setting up $VENV: torch 2.11, pytest, cmake, ninja, scikit-build-core, Horovod's launcher (a few minutes the first time)"
+  pip=("$VENV/bin/pip" install --disable-pip-version-check --progress-bar off)
+  logged "creating the environment" "$PY" -m venv "$VENV" || exit 1
+  logged "installing torch and the tools" "${pip[@]}" torch==2.11.0 numpy pytest pytest-timeout cmake ninja \
+      scikit-build-core cloudpickle psutil pyyaml packaging || exit 1
   # Horovod's launcher only: its C++ extensions do not build against current torch,
   # and horovod_zero does not need them.
   HOROVOD_SKIP_COMPILE=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
-      "$VENV/bin/pip" install -q --disable-pip-version-check horovod==0.28.1 >&2
+      logged "installing Horovod's launcher" "${pip[@]}" horovod==0.28.1 || exit 1
 fi
 
 # Debian packages: liburing-dev for NVMe offload (HVDZ_LIBURING_ROOT may name a copy
@@ -30,11 +62,11 @@ missing=()
 command -v mpirun >/dev/null 2>&1 || missing+=(openmpi-bin)
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "[setup] installing ${missing[*]} (apt-get)" >&2
-    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"; } >&2 \
-      || echo "[setup] could not install ${missing[*]}; the tests that need them will fail" >&2
+    say "installing ${missing[*]} (apt-get)"
+    DEBIAN_FRONTEND=noninteractive logged "apt-get" sh -c 'apt-get update -qq && apt-get install -y -qq "$@"' sh "${missing[@]}" \
+      || say "could not install ${missing[*]}; the tests that need them will fail"
   else
-    echo "[setup] missing Debian packages: ${missing[*]} (install them as root: apt-get install ${missing[*]})" >&2
+    say "missing Debian packages: ${missing[*]} (install them as root: apt-get install ${missing[*]})"
   fi
 fi
 
@@ -55,9 +87,8 @@ if __name__ == "__main__":
 EOF
 chmod +x "$VENV/bin/horovodrun"
 
-cd "$ROOT"
-echo "[setup] building horovod_zero (CMake, build dir $ROOT/build/cmake)" >&2
-export PATH="$VENV/bin:$PATH"
-HVDZ_BUILD_JOBS=${HVDZ_BUILD_JOBS:-$(nproc)} "$VENV/bin/python" setup.py -q build_ext --inplace >&2 \
-  || { echo "[setup] build failed" >&2; exit 1; }
+say "building horovod_zero in ${HVDZ_BUILD_DIR:-$ROOT/build/cmake} (log: $LOG)"
+start=$(date +%s)
+PATH="$VENV/bin:$PATH" logged "building" bash "$ROOT/examples/build.sh" "$VENV/bin/python" || exit 1
+say "built in $(( $(date +%s) - start )) s"
 echo "$VENV/bin/python"

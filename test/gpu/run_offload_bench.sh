@@ -46,7 +46,7 @@ if [ "${REBUILD:-0}" = 1 ] || { [ "${SKIP_BUILD:-0}" != 1 ] \
   if [ -d "$ROOT/build/deps/liburing" ]; then export HVDZ_LIBURING_ROOT=$ROOT/build/deps/liburing; fi
   t0=$(date +%s)
   rm -rf build/cmake
-  HVDZ_CMAKE_ARGS="-DHVDZ_BUILD_TESTS=OFF -DHVDZ_CUDA=ON" HVDZ_BUILD_JOBS=$(nproc) "$PY" setup.py -q build_ext --inplace \
+  HVDZ_CMAKE_ARGS="-DHVDZ_BUILD_TESTS=OFF -DHVDZ_CUDA=ON" HVDZ_BUILD_JOBS=$(nproc) bash examples/build.sh "$PY" \
     > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
   echo "horovod_zero build: $(( $(date +%s) - t0 )) s"
 fi

@@ -25,7 +25,7 @@ if [ "${SKIP_BUILD:-0}" != 1 ]; then
 rm -rf build/cmake
 # liburing for NVMe offload, where test/gpu/liburing_deps.sh left a copy (no apt here).
 if [ -d "$ROOT/build/deps/liburing" ]; then export HVDZ_LIBURING_ROOT=$ROOT/build/deps/liburing; fi
-HVDZ_CMAKE_ARGS="-DHVDZ_BUILD_TESTS=OFF -DHVDZ_CUDA=ON" HVDZ_BUILD_JOBS=$(nproc) python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+HVDZ_CMAKE_ARGS="-DHVDZ_BUILD_TESTS=OFF -DHVDZ_CUDA=ON" HVDZ_BUILD_JOBS=$(nproc) bash examples/build.sh python3 > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"
 fi
 rc=0
@@ -63,7 +63,7 @@ done
 if [ "${CPU_ONLY_BUILD:-0}" = 1 ]; then
   t0=$(date +%s)
   rm -rf build/cmake
-  HVDZ_CMAKE_ARGS="-DHVDZ_BUILD_TESTS=OFF -DHVDZ_CUDA=OFF" HVDZ_BUILD_JOBS=$(nproc) python3 setup.py -q build_ext --inplace \
+  HVDZ_CMAKE_ARGS="-DHVDZ_BUILD_TESTS=OFF -DHVDZ_CUDA=OFF" HVDZ_BUILD_JOBS=$(nproc) bash examples/build.sh python3 \
     > "$OUT/build_cpu_only.log" 2>&1 || { tail -40 "$OUT/build_cpu_only.log"; exit 1; }
   echo "CPU-only build: $(( $(date +%s) - t0 )) s"
   (cd test && timeout 120 python3 -m pytest -q -ra gpu/test_cpu_only_build.py 2>&1 | tee "$OUT/cpu_only_tests.log" | tail -5) || rc=1
