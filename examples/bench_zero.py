@@ -73,6 +73,8 @@ def profile_steps(step_fn, path, steps=3):
         return
     with open(path, "w") as f:
         f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+        f.write("\n\nBy host time (where the Python side waits):\n")
+        f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40))
 
 
 def phase_peaks(forward, backward, update):
@@ -144,9 +146,9 @@ def bytes_by_set(stats, opt, steps):
     """MiB per step that horovod_zero's collectives carried (each rank's payload), by kind
     of process set: hybrid's node sets stay inside a node, its cross sets cross nodes, and
     the global set spans every rank."""
-    storage = getattr(opt, "_storage", None)
-    node = getattr(getattr(storage, "shard_set", None), "process_set_id", None)
-    cross = getattr(getattr(storage, "cross_set", None), "process_set_id", None)
+    groups = getattr(getattr(opt, "_storage", None), "groups", None)
+    node = getattr(getattr(groups, "shard_set", None), "process_set_id", None)
+    cross = getattr(getattr(groups, "cross_set", None), "process_set_id", None)
     split = {"node": 0, "cross": 0, "global": 0}
     for s in stats:
         # one rank per node: the cross set is the global set, and what it carries crosses nodes

@@ -4,7 +4,19 @@ in buckets; stage 1, a coalescing block, and backward_passes_per_step=N wait so
 that each parameter is reduced once per step. A full gradient is dropped from the
 parameter when it is taken; the runtime frees it once its collective is done.
 Where the reduced shards go is the sink's business (core/protocols.py GradSink): the
-master shards' .grad (core/step.py), or the host (offload/)."""
+master shards' .grad (core/step.py), or the host (offload/).
+
+[Note: one count of reductions on every rank]
+The k-th reduction of a parameter in a step is the collective zero.grad.<index>.<k>, so
+every rank must make as many reductions of each parameter, or one waits for a name the
+others never submit. During backward each rank reduces what its own backward produced,
+and ranks may differ: a branch one rank's forward took (a reduction each pass without
+coalescing), or a parameter used in more passes than backward_passes_per_step on one
+rank. So before the last reductions of a step (submit_rest(): at step() and at the end
+of a coalescing block) and before dropping them (discard()), one small allreduce takes,
+per parameter, the most reductions any rank needs, and each rank makes up the difference
+with reductions of zeros, which add nothing to the sum. The same allreduce says which
+parameters any rank had a gradient for."""
 
 import collections
 import contextlib
@@ -29,6 +41,8 @@ class GradReducer:
         # finished at each flush, so backward holds only the gradients still in flight.
         self._pending = {}
         self._had_grad = {}  # shard index -> whether this rank had a gradient for it this step
+        self._had_anywhere = []  # per trained parameter: whether any rank had one (submit_rest())
+        self._began = False  # a gradient hook ran since the last step (or discard)
         self._bucket, self._bucket_bytes = [], 0  # gradients taken, not yet submitted
         self._delay = []  # shard index -> backward passes until its next reduction
         self._reduced = False  # the sink holds this step's reduced gradients
@@ -50,6 +64,7 @@ class GradReducer:
     def on_grad_ready(self, p):
         """A parameter's gradient is accumulated (post-accumulate-grad hook)."""
         self._sink.begin()  # overlap_step: the step's hyperparameters are the ones backward began with
+        self._began = True
         if self.coalescing or not self._eager:
             return
         s = self._storage.shard_of[p]
@@ -137,10 +152,37 @@ class GradReducer:
         return [(s, p) for s, p in zip(st.shards, st.params) if p.requires_grad]
 
     def submit_rest(self):
-        # Every rank must submit every trained parameter, also those without a gradient
-        # here; and gradient accumulated since a parameter's last reduction goes too.
+        """Submits what is left of this step, so that every rank has made the same reductions
+        of every trained parameter: [Note: one count of reductions on every rank]."""
         self.flush()
-        self._submit([self._take(s, p) for s, p in self._trained() if s.index not in self._pending or p.grad is not None])
+        trained = self._trained()
+        counts = [self._count(s) for s, _ in trained]
+        # Per parameter: the reductions this rank needs (a gradient accumulated since its last
+        # reduction, or none made yet, needs one more), and whether it had a gradient.
+        mine = [[n + (1 if p.grad is not None or n == 0 else 0) for n, (_, p) in zip(counts, trained)],
+                [1 if self._had_grad.get(s.index) or p.grad is not None else 0 for s, p in trained]]
+        needed, had = self._max_over_ranks(mine)
+        self._had_anywhere = [f > 0 for f in had]
+        extra = []
+        for (s, p), n, want in zip(trained, counts, needed):
+            # The first takes what is left of the gradient (None: zeros), the rest are zeros.
+            extra += [self._take(s, p) for _ in range(int(want) - n)]
+        self._submit(extra)
+
+    def _count(self, s):
+        """The reductions of shard s this rank has submitted this step."""
+        return len(self._pending.get(s.index, ())) + len(self._done.get(s.index, ()))
+
+    def _max_over_ranks(self, rows):
+        """Each row of small integers, its elementwise maximum over the optimizer's ranks."""
+        if not rows[0]:
+            return [[] for _ in rows]
+        # Small per-step allreduces stay on the parameters' device: on GPUs that is NCCL,
+        # not Gloo's TCP pairs (~1 ms an op on an 8-GPU host).
+        t = torch.tensor(rows, dtype=torch.float32, device=self._storage.param_device)
+        t = ops.synchronize(ops._allreduce_async(t, "zero.reductions", ops.Max, 1.0, 1.0,
+                                                 self._groups.scope.process_set))
+        return t.tolist()
 
     def finish(self, unscale):
         """Waits for this step's reductions and hands each shard's outputs to the sink, with
@@ -155,7 +197,7 @@ class GradReducer:
             # below would wait for all of backward first.
             self._drain(wait=True)
         trained = self._trained()
-        had = self._had_grad_anywhere(trained)
+        had = self._had_anywhere
         self._sink.set_unscale(unscale)
         # One output per reduction this step.
         outputs = {s.index: self._done.pop(s.index, []) + [ops.synchronize(h) for h in self._pending.get(s.index, ())]
@@ -181,7 +223,18 @@ class GradReducer:
     def discard(self):
         """zero_grad() before step() (or after a backward that raised): as in torch, the
         gradients so far are dropped. The reductions already submitted run on every rank,
-        so they are waited for, and their results forgotten; the next step starts afresh."""
+        so they are waited for, and their results forgotten; the next step starts afresh.
+        After a backward, the ranks first make the same reductions, as at submit_rest(): a
+        rank that submitted one the others did not would wait for them forever, or pair it
+        with their next step's. (A rank whose backward gave no gradient at all cannot tell
+        that a backward ran; it would not join, and the stall check names it.)"""
+        if self._began:
+            self._bucket, self._bucket_bytes = [], 0
+            trained = self._trained()
+            counts = [self._count(s) for s, _ in trained]
+            (needed,) = self._max_over_ranks([counts])
+            self._submit([self._take(s, p) for (s, p), n, want in zip(trained, counts, needed)
+                          for _ in range(int(want) - n)])
         handles = [h for hs in self._pending.values() for h in hs]
         self._pending.clear()
         if handles:
@@ -198,18 +251,7 @@ class GradReducer:
         self._sunk.clear()
         self._had_grad.clear()
         self._delay = [self._bpps] * len(self._storage.shards)
-
-    def _had_grad_anywhere(self, trained):
-        """Per trained parameter, whether any rank had a gradient for it this step."""
-        if not trained:
-            return []
-        # Small per-step allreduces stay on the parameters' device: on GPUs that is NCCL,
-        # not Gloo's TCP pairs (~1 ms an op on an 8-GPU host).
-        had = torch.tensor([1.0 if self._had_grad.get(s.index) else 0.0 for s, _ in trained],
-                           device=self._storage.param_device)
-        had = ops.synchronize(ops._allreduce_async(had, "zero.had_grad", ops.Max, 1.0, 1.0,
-                                                   self._groups.scope.process_set))
-        return [f > 0 for f in had.tolist()]
+        self._began = False
 
     @contextlib.contextmanager
     def coalesce(self):
