@@ -189,12 +189,13 @@ class GradReducer:
         the factor `unscale` (loss-scale unscaling) they are used with."""
         if self._reduced:
             return
+        # First: a reduction this rank waits for below may be one the other ranks submit only
+        # in submit_rest() (their zeros for a parameter only this rank had a gradient for).
         self.submit_rest()
         if self._sink.takes_early:
             # The CPU is usually well ahead of backward on the GPU: the sink gets each shard
             # as its reduction finishes there, so its copy to the host (and with
-            # overlap_step its host step) runs beside the rest of backward. The allreduce
-            # below would wait for all of backward first.
+            # overlap_step its host step) runs beside the rest of backward.
             self._drain(wait=True)
         trained = self._trained()
         had = self._had_anywhere
