@@ -7,17 +7,26 @@ MasterSource, and DeviceStep's clipping and overflow check.
 The rank functions give every rank different, known inputs (refs.make(rank, ...)), so the
 parent can rebuild every rank's inputs and compute what each rank must end with."""
 
+import inspect
+import re
+
 import pytest
 import torch
 
 import horovod_zero.torch as hvd
 from horovod_zero.torch.zero import hybrid
 from horovod_zero.torch.zero.core.gather import ParamGatherer
+from horovod_zero.torch.zero.core.params import WholeParams
 from horovod_zero.torch.zero.core.plan import plan_group
+from horovod_zero.torch.zero.core.protocols import GatherSource, GradSink, Params, StepStrategy
 from horovod_zero.torch.zero.core.reduce import GradReducer
 from horovod_zero.torch.zero.core.step import DeviceStep, MasterGrads, MasterSource
 from horovod_zero.torch.zero.core.storage import ShardedStorage
 from horovod_zero.torch.zero.core.units import assign, find_units, wait_units
+from horovod_zero.torch.zero.offload.host import HostOffload
+from horovod_zero.torch.zero.offload.host_step import HostSource, HostStep
+from horovod_zero.torch.zero.offload.overlap import OverlapSink
+from horovod_zero.torch.zero.stage3.hooks import Stage3
 from horovod_zero.torch.zero.stage3.order import OrderTrace
 from refs import make
 
@@ -183,6 +192,33 @@ def test_assign_puts_tied_and_shared_parameters_in_the_root_and_others_in_their_
     some = {p: s for p, s in shard_of.items() if names[p].startswith("blocks.1")}
     assert assign(net, list(net.blocks), some) == ([[], sorted(s.index for s in some.values() if "lin" in s.name), []],
                                                    sorted(s.index for s in some.values() if "shared" in s.name))
+
+
+
+# ---------------------------------------------------------------------------
+# The Protocols (core/protocols.py) and what implements them: each part offers every
+# method and attribute its protocol declares, so the wrapper can take either.
+
+def _declared(proto):
+    return sorted({n for n in vars(proto) if not n.startswith("_")} | set(getattr(proto, "__annotations__", {})))
+
+
+def _offers(cls, name):
+    """A method or class attribute, or an attribute every instance sets in its constructor."""
+    return hasattr(cls, name) or re.search(rf"self\.{name}\s*=", inspect.getsource(cls.__init__)) is not None
+
+
+@pytest.mark.parametrize("proto,parts", [
+    (GradSink, [MasterGrads, HostOffload, OverlapSink]),
+    (GatherSource, [MasterSource, HostSource]),
+    (Params, [WholeParams, Stage3]),
+    (StepStrategy, [DeviceStep, HostStep]),
+], ids=["GradSink", "GatherSource", "Params", "StepStrategy"])
+def test_each_part_offers_what_its_protocol_declares(proto, parts):
+    assert len(_declared(proto)) >= 3, _declared(proto)
+    for cls in parts:
+        missing = [n for n in _declared(proto) if not _offers(cls, n)]
+        assert not missing, f"{cls.__name__} lacks {missing} of {proto.__name__}"
 
 
 # ---------------------------------------------------------------------------
