@@ -127,8 +127,8 @@ class GradReducer:
         device = self._storage.param_device
         ins = [self._padded_grad(s, g, dtype, device) for s, g, dtype in taken]
         outs = [b.new_empty(s.shard) for b, (s, _, _) in zip(ins, taken)]
-        # The k-th reduction of a parameter in a step has its own name: every rank
-        # runs the same backward passes, so the names agree.
+        # The k-th reduction of a parameter in a step has its own name; the ranks make as
+        # many of each: [Note: one count of reductions on every rank].
         names, seen = [], {}
         one_reduction = self._sink.one_reduction
         for s, _, _ in taken:
@@ -163,11 +163,13 @@ class GradReducer:
                 [1 if self._had_grad.get(s.index) or p.grad is not None else 0 for s, p in trained]]
         needed, had = self._max_over_ranks(mine)
         self._had_anywhere = [f > 0 for f in had]
-        extra = []
-        for (s, p), n, want in zip(trained, counts, needed):
-            # The first takes what is left of the gradient (None: zeros), the rest are zeros.
-            extra += [self._take(s, p) for _ in range(int(want) - n)]
-        self._submit(extra)
+        self._make_up(trained, counts, needed)
+
+    def _make_up(self, trained, counts, needed):
+        """Submits, per parameter, the reductions this rank lacks of the `needed` ones: the
+        first takes what is left of its gradient (None: zeros), the rest are zeros."""
+        self._submit([self._take(s, p) for (s, p), n, want in zip(trained, counts, needed)
+                      for _ in range(int(want) - n)])
 
     def _count(self, s):
         """The reductions of shard s this rank has submitted this step."""
@@ -229,19 +231,16 @@ class GradReducer:
         rank that submitted one the others did not would wait for them forever, or pair it
         with their next step's. (A rank whose backward gave no gradient at all cannot tell
         that a backward ran; it would not join, and the stall check names it.)"""
+        self._bucket, self._bucket_bytes = [], 0
         if self._began:
-            self._bucket, self._bucket_bytes = [], 0
             trained = self._trained()
             counts = [self._count(s) for s, _ in trained]
             (needed,) = self._max_over_ranks([counts])
-            self._submit([self._take(s, p) for (s, p), n, want in zip(trained, counts, needed)
-                          for _ in range(int(want) - n)])
+            self._make_up(trained, counts, needed)
         handles = [h for hs in self._pending.values() for h in hs]
-        self._pending.clear()
         if handles:
             ops.synchronize(handles)
         self._reset()
-        self._bucket, self._bucket_bytes = [], 0
         self._reduced = False
 
     def _reset(self):
