@@ -12,6 +12,11 @@ max_memory_allocated over ranks. Gradients are reduced in bf16 by every system u
     torchrun --nproc_per_node=4 examples/bench_zero.py --sim-nodes 2 --modes zero3,zero3+hybrid,fsdp2+reshard,fsdp2+hsdp
 
 A mode may carry environment settings for its optimizer: zero3@HOROVOD_ZERO_PREFETCH=2.
+--compile compiles each block (block.compile(), before wrapping) and --ac recomputes each
+block's activations in backward (torch.utils.checkpoint, non-reentrant), for every mode; a
+mode's own +compile or +ac does the same for that mode alone (zero3+compile+ac). DeepSpeed
+ZeRO-3 always runs its blocks eager: compiled blocks are not supported under its ZeRO-3 on
+this torch, and its line says so.
 --sim-nodes N splits the ranks into N simulated nodes (each sees only its own GPUs, as on
 real nodes) for hybrid sharding: zero2+hybrid and zero3+hybrid (shard_group="node") and
 FSDP2's HSDP (fsdp2+hsdp: a (nodes, local) mesh, reshard_after_forward=True). Their lines give
@@ -158,15 +163,30 @@ def bytes_by_set(stats, opt, steps):
     return {k: v / steps / 2**20 for k, v in split.items()}
 
 
+def model_flags(mode, compile_all=False, ac_all=False):
+    """The mode without its +compile and +ac, and whether its blocks are compiled and
+    recomputed (DeepSpeed's are never compiled)."""
+    parts = mode.split("+")
+    base = "+".join(p for p in parts if p not in ("compile", "ac"))
+    compiled = (compile_all or "compile" in parts) and base != "deepspeed3"
+    return base, compiled, ac_all or "ac" in parts
+
+
 def bench_mode(mode, cfg, micro, steps, dev, profile_dir=None, profile_modes=(), phases=False,
-               reduce_dtype=torch.bfloat16):
+               reduce_dtype=torch.bfloat16, compiled=False, ac=False):
     with mode_env(mode) as base:
-        return _bench_mode(base, cfg, micro, steps, dev, profile_dir, profile_modes, phases, reduce_dtype)
+        return _bench_mode(base, cfg, micro, steps, dev, profile_dir, profile_modes, phases, reduce_dtype,
+                           compiled, ac)
 
 
-def _bench_mode(mode, cfg, micro, steps, dev, profile_dir, profile_modes, phases, reduce_dtype):
+def _bench_mode(mode, cfg, micro, steps, dev, profile_dir, profile_modes, phases, reduce_dtype, compiled, ac):
     release_memory()
+    torch._dynamo.reset()  # each mode compiles its own blocks: none reuses another's code
     model = build(cfg, dev)
+    model.ac = ac
+    if compiled:
+        for b in model.blocks:
+            b.compile()
     g = torch.Generator(device="cpu").manual_seed(hvd.rank())
     ids = torch.randint(0, cfg["vocab"], (micro, cfg["seq"] + 1), generator=g).to(dev)
     x, y = ids[:, :-1], ids[:, 1:]
@@ -297,6 +317,8 @@ def main():
     ap.add_argument("--profile", default="", help="modes to profile after timing (e.g. zero2,fsdp2)")
     ap.add_argument("--profile-dir", default=os.environ.get("OUT", "."), help="where rank 0 writes the profiles")
     ap.add_argument("--sim-nodes", type=int, default=0, help="split the ranks into this many simulated nodes")
+    ap.add_argument("--compile", action="store_true", help="compile each block (block.compile()), every mode")
+    ap.add_argument("--ac", action="store_true", help="activation checkpointing per block, every mode")
     args = ap.parse_args()
     if args.sim_nodes:
         simulate_nodes(args.sim_nodes)
@@ -312,14 +334,20 @@ def main():
              f"seq {cfg['seq']}, FSDP2/DeepSpeed reduce in {args.reduce_dtype}"]
     reduce_dtype = torch.bfloat16 if args.reduce_dtype == "bf16" else torch.float32
     for mode in args.modes.split(","):
-        if mode == "deepspeed3" and (dev.type != "cuda" or importlib.util.find_spec("deepspeed") is None):
-            lines.append(f"{mode:13s} skipped: needs CUDA and `pip install deepspeed`")
+        base, compiled, ac = model_flags(mode.split("@")[0], args.compile, args.ac)
+        label = f"{base}{'@' + mode.split('@', 1)[1] if '@' in mode else ''}{'+compile' if compiled else ''}" \
+                f"{'+ac' if ac else ''}"
+        if base == "deepspeed3" and (dev.type != "cuda" or importlib.util.find_spec("deepspeed") is None):
+            lines.append(f"{label:22s} skipped: needs CUDA and `pip install deepspeed`")
             continue
-        t, tok, peak, phases, links = bench_mode(mode, cfg, args.micro_batch, args.steps, dev, args.profile_dir,
-                                                 args.profile.split(","), args.phases, reduce_dtype)
+        run = base + mode[len(mode.split("@")[0]):]  # the mode's @settings, without +compile/+ac
+        t, tok, peak, phases, links = bench_mode(run, cfg, args.micro_batch, args.steps, dev, args.profile_dir,
+                                                 args.profile.split(","), args.phases, reduce_dtype, compiled, ac)
         wire = ("  MiB/step: " + ", ".join(f"{k} sets {v:.1f}" if k != "global" else f"global set {v:.1f}"
                                           for k, v in links.items() if v or k == "global")) if links else ""
-        lines.append(f"{mode:13s} step {t*1e3:9.1f} ms  {tok:10.0f} tokens/s/GPU  peak {peak:6.2f} GiB{wire}")
+        note = "  (blocks eager: not compilable under DeepSpeed ZeRO-3)" if base == "deepspeed3" and \
+            (args.compile or "compile" in mode.split("+")) else ""
+        lines.append(f"{label:22s} step {t*1e3:9.1f} ms  {tok:10.0f} tokens/s/GPU  peak {peak:6.2f} GiB{wire}{note}")
         if phases:
             lines.append("    " + ", ".join(f"{ph} peak {pk:.2f} held {held:.2f}" for ph, pk, held in phases))
     extras = args.extras.split(",") if args.extras else []

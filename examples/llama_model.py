@@ -3,6 +3,7 @@ attention, SwiGLU FFN, tied embedding), and a tiny shape of it for smoke tests o
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 LLAMA_1B = dict(layers=16, d=2048, heads=32, kv_heads=8, ffn=8192, vocab=128256, seq=2048)
 TINY = dict(layers=2, d=64, heads=4, kv_heads=2, ffn=128, vocab=512, seq=64)
@@ -51,9 +52,10 @@ class Decoder(torch.nn.Module):
         self.norm = RMSNorm(d)
         self.head = torch.nn.Linear(d, vocab, bias=False)
         self.head.weight = self.emb.weight  # tied embeddings
+        self.ac = False  # recompute each block's activations in backward (non-reentrant checkpoint)
 
     def forward(self, ids):
         x = self.emb(ids)
         for b in self.blocks:
-            x = b(x)
+            x = checkpoint(b, x, use_reentrant=False) if self.ac else b(x)
         return self.head(self.norm(x))

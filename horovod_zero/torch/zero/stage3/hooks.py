@@ -17,6 +17,10 @@ next units in recorded order (order.py).
   backward order) before any of the unit's backward runs. Its inputs pass through
   another _OnBackward, whose backward runs once the unit's backward has produced the
   input gradients: the unit is freed there and the gradient bucket flushed.
+- A forward inside backward is activation checkpointing's recomputation: the unit
+  (or root) is gathered if it is not, and stays gathered for the backward that follows;
+  no order is recorded. Its inputs pass through _OnBackward as in a forward: reentrant
+  checkpointing runs backward through the recomputed graph, and that frees the unit.
 - The first unit (or root) gathered in a backward queues a callback for the end of it,
   which frees whatever is still gathered (units whose inputs needed no grad,
   gathers prefetched but not used, the root) and records the backward order.
@@ -33,7 +37,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from horovod_zero.torch.zero.core.units import assign
-from horovod_zero.torch.zero.core.weak import weak_hook
+from horovod_zero.torch.zero.core.weak import check_hook, weak_hook
 from horovod_zero.torch.zero.stage3.order import OrderTrace
 
 
@@ -73,7 +77,7 @@ class Stage3:
             # Registered after pre_forward, so the unit's own module is gathered by then.
             for name, m in u.module.named_modules(prefix=u.name):
                 if any(True for _ in m.parameters(recurse=False)):
-                    self.hooks.append(m.register_forward_pre_hook(weak_hook(self, "check_gathered", u, name)))
+                    self.hooks.append(m.register_forward_pre_hook(check_hook(self, "check_gathered", u, name)))
 
     def on_new_params(self, params):
         self.assign()
@@ -185,6 +189,9 @@ class Stage3:
     def root_pre_forward(self, module, args, kwargs):
         if self.pinned:
             return
+        if _recomputing():
+            self.unshard(self.root)
+            return
         # Left over from a forward that raised, or one whose backward never ran (or raised:
         # autograd then drops the callback queued for its end).
         for u in self.busy_units():
@@ -194,8 +201,8 @@ class Stage3:
         self.unshard(self.root)
 
     def root_post_forward(self, module, args, kwargs, output):
-        if self.pinned:
-            return
+        if self.pinned or _recomputing():
+            return None
         self.forward_order.end()
         self.backward_order.predict(reversed(self.forward_order.last or []))
         if not torch.is_grad_enabled():
@@ -226,6 +233,12 @@ class Stage3:
     def pre_forward(self, unit, module, args, kwargs):
         if self.pinned:
             return None
+        if _recomputing():
+            # Gathered by its pre-backward already, unless its outputs needed no grad (reentrant
+            # checkpointing runs the first forward without grad, so only this one has hooks).
+            self._queue_end_of_backward()
+            self.unshard(unit)
+            return _through(functools.partial(self.post_backward, unit), (args, kwargs))
         self.forward_order.visit(unit.index)
         self.gather(unit)
         self._prefetch_next(self.forward_order)
@@ -235,8 +248,8 @@ class Stage3:
         return _through(functools.partial(self.post_backward, unit), (args, kwargs))
 
     def post_forward(self, unit, module, args, kwargs, output):
-        if self.pinned:
-            return None
+        if self.pinned or _recomputing():
+            return None  # the unit's backward follows at once: post_backward or the end of backward frees it
         if self._reshard_after_forward or not torch.is_grad_enabled():
             self.reshard(unit)
         if not torch.is_grad_enabled():
@@ -266,6 +279,14 @@ class Stage3:
         self._reducer.flush()
 
 
+def _recomputing():
+    """Whether a forward runs inside backward: activation checkpointing recomputing a
+    unit (torch.utils.checkpoint) just before the unit's backward needs what it saves.
+    Such a forward keeps the unit gathered, records no order and adds no backward
+    hooks: the first forward's hooks already free the unit after its backward."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _through(on_backward, tree):
     """`tree` with its tensors that need grad passed through one _OnBackward node, or
     None when none needs grad."""
@@ -291,5 +312,10 @@ class _OnBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.on_backward()
+        _eagerly(ctx.on_backward)
         return (None,) + grads
+
+
+@torch._dynamo.disable(recursive=True, reason="horovod_zero's stage-3 backward hooks call into its runtime")
+def _eagerly(fn):
+    fn()
