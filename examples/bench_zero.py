@@ -341,8 +341,13 @@ def main():
             lines.append(f"{label:22s} skipped: needs CUDA and `pip install deepspeed`")
             continue
         run = base + mode[len(mode.split("@")[0]):]  # the mode's @settings, without +compile/+ac
-        t, tok, peak, phases, links = bench_mode(run, cfg, args.micro_batch, args.steps, dev, args.profile_dir,
-                                                 args.profile.split(","), args.phases, reduce_dtype, compiled, ac)
+        try:
+            t, tok, peak, phases, links = bench_mode(run, cfg, args.micro_batch, args.steps, dev, args.profile_dir,
+                                                     args.profile.split(","), args.phases, reduce_dtype, compiled, ac)
+        except Exception as e:  # noqa: BLE001 - a peer that cannot run this setting: say so, go on
+            lines.append(f"{label:22s} failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            release_memory()
+            continue
         wire = ("  MiB/step: " + ", ".join(f"{k} sets {v:.1f}" if k != "global" else f"global set {v:.1f}"
                                           for k, v in links.items() if v or k == "global")) if links else ""
         note = "  (blocks eager: not compilable under DeepSpeed ZeRO-3)" if base == "deepspeed3" and \
