@@ -149,6 +149,33 @@ def test_overlapped_param_gather_matches_the_reference(ranks_fusion, stage):
         assert all(e < 1e-5 for e in errs), errs
 
 
+def _values_dropped_during_step(stage, overlap):
+    """What the parameters' storages hold while the inner optimizer steps (it sees only
+    the master shards): nothing, so the step's temporaries never sit beside them; and
+    after step() the same storages hold the new values."""
+    model = mlp()
+    opt = _wrap(model, stage=stage, overlap_param_gather=overlap)
+    inner, seen = opt.optimizer.step, []
+
+    def step(*args, **kwargs):
+        seen.append(sum(p.untyped_storage().nbytes() for p in model.parameters()))
+        return inner(*args, **kwargs)
+    opt.optimizer.step = step
+    _train(model, opt, 1, "plain", None)
+    opt.wait_for_params()
+    ref, _ = train_reference(1, None)
+    errs = [rel_err(p, q) for p, q in zip(model.parameters(), ref.parameters())]
+    held = [p.untyped_storage().nbytes() for p in model.parameters()]
+    return seen, all(h > 0 for h in held), errs, len(held)
+
+
+@pytest.mark.parametrize("stage,overlap", [(1, False), (2, False), (2, True)])
+def test_parameters_are_freed_during_the_inner_step(ranks, stage, overlap):
+    for seen, held, errs, n in ranks.run(_values_dropped_during_step, stage, overlap):
+        assert seen == [0] * STEPS and held and n == 4, (seen, held)
+        assert all(e < 1e-5 for e in errs), errs
+
+
 def _bf16_params():
     n, r = hvd.size(), hvd.rank()
     model = mlp()

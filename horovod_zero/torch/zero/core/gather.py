@@ -37,7 +37,7 @@ class ParamGatherer:
         self.release(indices)
         by_dtype = {}
         for i in indices:
-            out = st.unshard(i) if st.sharded_params else st.stores[i]
+            out = st.unshard(i) if st.sharded_params else st.allocate(i)
             by_dtype.setdefault(out.dtype, []).append((i, out))
         stream = self._source.stream
         if stream is not None and by_dtype:

@@ -52,6 +52,17 @@ class WholeParams:
     def check_at_rest(self):
         pass
 
+    def drop_values(self):
+        """Frees every parameter's storage for the step: it writes only the master shards,
+        and publish() gathers the new values into the same storage, allocated again once the
+        step's temporaries are gone. So the old values are never held beside them (FSDP2
+        frees its unsharded parameters after backward); the update's peak is lower by the
+        parameters' size. The parameters keep their shapes and views; reading one before
+        publish() fails instead of reading stale values."""
+        wait_for_params(self._step, self._gatherer)  # no gather may still write them
+        for i in range(len(self._st.shards)):
+            self._st.drop(i)
+
     def publish(self, wait):
         """Allgathers the master shards into the parameters; wait=False leaves the handles
         for wait_for_params() (the forward hooks, or the next step)."""

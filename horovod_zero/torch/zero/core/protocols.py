@@ -60,6 +60,10 @@ class Params(Protocol):
     def check_at_rest(self) -> None:
         """Refuses a step() while parameters are still in use by a forward."""
 
+    def drop_values(self) -> None:
+        """Just before the inner step on the device: the parameters' values may be freed,
+        since publish() replaces them."""
+
     def publish(self, wait: bool) -> None:
         """The master shards changed: make the parameters follow."""
 

@@ -96,9 +96,12 @@ class DeviceStep:
         return total.float()
 
     def step(self, closure, params, overlap):
-        loss = self._optimizer.step(closure)
-        params.publish(wait=not overlap)
-        return loss
+        if closure is None:  # a closure runs forward and backward inside the step: it needs them
+            params.drop_values()
+        try:
+            return self._optimizer.step(closure)
+        finally:  # also after a step that raised: the parameters take the masters' values again
+            params.publish(wait=not overlap)
 
     def skip(self):
         pass

@@ -120,6 +120,19 @@ class ShardedStorage:
         p.data = store[:s.numel].view(s.shape)
         return store
 
+    def drop(self, i):
+        """Stages 1 and 2, during the step: frees parameter i's storage; the parameter keeps
+        its view of it, which allocate() (the next gather) makes valid again."""
+        self.stores[i].untyped_storage().resize_(0)
+
+    def allocate(self, i):
+        """The buffer a gather of parameter i lands in, its storage allocated again if drop()
+        freed it."""
+        store = self.stores[i]
+        if not self.is_unsharded(i):
+            store.untyped_storage().resize_(self.shards[i].padded * store.element_size())
+        return store
+
     def reshard(self, i):
         self._release(self.shards[i], self.params[i], self.stores[i])
 
