@@ -58,8 +58,8 @@ class WholeParams:
         step's temporaries are gone. So the old values are never held beside them (FSDP2
         frees its unsharded parameters after backward); the update's peak is lower by the
         parameters' size. The parameters keep their shapes and views; reading one before
-        publish() fails instead of reading stale values."""
-        wait_for_params(self._step, self._gatherer)  # no gather may still write them
+        publish() fails instead of reading stale values. No gather may be in flight (step()
+        has waited for them)."""
         for i in range(len(self._st.shards)):
             self._st.drop(i)
 

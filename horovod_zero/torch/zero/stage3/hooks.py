@@ -193,6 +193,7 @@ class Stage3:
         if self.pinned:
             return
         if _recomputing():
+            self._queue_end_of_backward()  # which frees the root again
             self.unshard(self.root)
             return
         # Left over from a forward that raised, or one whose backward never ran (or raised:
@@ -285,8 +286,8 @@ class Stage3:
 def _recomputing():
     """Whether a forward runs inside backward: activation checkpointing recomputing a
     unit (torch.utils.checkpoint) just before the unit's backward needs what it saves.
-    Such a forward keeps the unit gathered, records no order and adds no backward
-    hooks: the first forward's hooks already free the unit after its backward."""
+    Such a forward keeps the unit gathered and records no order (see [Note: stage 3
+    hooks])."""
     return torch._C._current_graph_task_id() != -1
 
 
