@@ -209,8 +209,11 @@ class GradReducer:
             items = [(s, sum(outputs[s.index][1:], outputs[s.index][0])) for (s, _), flag in zip(trained, had) if flag]
             self._groups.average_replicas(items)
             outputs.update((s.index, [t]) for s, t in items)
+            del items  # the outputs hold them now, freed one by one below
         for (s, _), flag in zip(trained, had):
-            outs = outputs[s.index]
+            # Popped: each shard's reduced outputs (param_dtype) are freed as the sink takes
+            # them (MasterGrads makes fp32 .grad), so the two never all exist at once.
+            outs = outputs.pop(s.index)
             if not flag:
                 self._sink.no_grad(s)  # no rank had a gradient: the inner optimizer skips it, as torch would
             elif s.index not in self._sunk or len(outs) > 1:
