@@ -162,10 +162,36 @@ def test_units_refusals_say_what_is_wrong():
     assert outside is not None and "not in the model" in outside and "LayerNorm" in outside, outside
     assert "matches no module" in (_refused(lambda: find_units(net, [torch.nn.Conv2d])) or "")
     assert "module classes or module instances" in (_refused(lambda: find_units(net, ["blocks"])) or "")
-    for flat in (torch.nn.Sequential(torch.nn.Linear(3, 3)), torch.nn.Sequential(torch.nn.ModuleList())):
-        msg = _refused(lambda: find_units(flat, None))
-        assert msg is not None and "no nn.ModuleList" in msg and "units=" in msg and "stage=2" in msg, msg
-        assert wait_units(flat, None) == [], "overlap_param_gather without a ModuleList: no units, the root waits"
+
+
+class _Tower(torch.nn.Module):
+    """No ModuleList, no Sequential: a wrapper holding one child, which holds two large
+    layers and a small one."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Module()
+        self.inner.a, self.inner.b = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+        self.inner.tiny = torch.nn.Linear(2, 2)  # under 1/32 of the parameters: stays in the root
+        self.act = torch.nn.ReLU()
+
+    def forward(self, x):
+        return self.inner.b(self.act(self.inner.a(x))) + self.inner.tiny.weight.sum()
+
+
+def test_units_without_a_module_list_come_from_a_sequential_or_the_large_children():
+    seq = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU(), torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    assert [id(u) for u in find_units(seq, None)] == [id(seq[0]), id(seq[2]), id(seq[3])]
+    nested = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4),
+                                                                           torch.nn.Linear(4, 4)))
+    assert [id(u) for u in find_units(nested, None)] == [id(m) for m in nested[1]], "the largest Sequential's children"
+    tower = _Tower()
+    assert [id(u) for u in find_units(tower, None)] == [id(tower.inner.a), id(tower.inner.b)]
+    assert [id(u) for u in wait_units(tower, None)] == [id(tower.inner.a), id(tower.inner.b)]
+    # One layer: no unit, nothing refused; the root holds it (gathered for the whole step).
+    for flat in (torch.nn.Linear(3, 3), torch.nn.Sequential(torch.nn.Linear(3, 3)),
+                 torch.nn.Sequential(torch.nn.ModuleList())):
+        assert find_units(flat, None) == [] and wait_units(flat, None) == []
 
 
 def _shard_of(model, size=2):

@@ -418,3 +418,32 @@ def test_without_reshard_after_forward_backward_gathers_less(ranks):
     # backward, so only the first call of block 1 gathers again.
     for per_step in ranks.run(_collectives, 0, False):
         assert all(t == 3 + 5 * 4 and c == 1 + 4 for c, t in per_step), per_step
+
+
+# --- models without a ModuleList ------------------------------------------------------------
+
+def _any_model(kind):
+    """Stage 3 with no units= on a model without a ModuleList, against the reference."""
+    import refs
+    make = {"sequential": refs.mlp,  # units: its two Linear layers
+            "one-layer": lambda: (torch.manual_seed(0), torch.nn.Linear(16, 7))[1]}[kind]  # no unit: all in the root
+    model = make()
+    opt = hvd.DistributedZeroOptimizer(refs.adamw(model.named_parameters()), model=model, stage=3)
+    n, r = hvd.size(), hvd.rank()
+    for step in range(refs.STEPS):
+        x, y = refs.batch(step, 0)
+        refs.mse(model, refs.rank_rows(x, r, n), refs.rank_rows(y, r, n)).backward()
+        opt.step()
+        opt.zero_grad()
+    ref = make()
+    refs.train_reference(1, None, model=ref, opt=refs.adamw(ref.named_parameters()))
+    with opt.gathered_params():
+        errs = [refs.rel_err(p, q) for p, q in zip(model.parameters(), ref.parameters())]
+    return len(opt._params.units), errs
+
+
+@pytest.mark.parametrize("kind,units", [("sequential", 2), ("one-layer", 0)])
+def test_stage3_takes_a_model_without_a_module_list(ranks, kind, units):
+    for n_units, errs in ranks.run(_any_model, kind):
+        assert n_units == units
+        assert max(errs) < 1e-5, errs

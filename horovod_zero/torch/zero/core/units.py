@@ -1,6 +1,8 @@
 """Stage 3 gather units: which modules are gathered and freed together, and which
-parameters belong to each. By default each module of the model's largest
-nn.ModuleList is a unit; units= (module classes or instances) overrides. A
+parameters belong to each. By default (default_units) each module of the model's
+largest nn.ModuleList is a unit; without one, each child of its largest
+nn.Sequential; without either, each large child of the model; units= (module
+classes or instances) overrides. A
 parameter reachable from one unit only belongs to it; one reachable from several
 units, or also from a module outside every unit (a tied embedding and output
 head, a shared layer), belongs to the root, which stays gathered for the whole
@@ -9,10 +11,15 @@ forward and backward. So tied and shared parameters need no registration."""
 import torch
 
 
+# A child of the model holding at least this share of its parameters is a unit of its own
+# (default_units' last rule); smaller ones stay in the root, gathered for the whole step.
+LARGE_CHILD_SHARE = 1 / 32
+
+
 def find_units(model, units):
     """The unit modules, in model.modules() order."""
     if units is None:
-        return _largest_module_list(model)
+        return default_units(model)
     classes = tuple(u for u in units if isinstance(u, type))
     instances = [u for u in units if not isinstance(u, type)]
     bad = [u for u in instances if not isinstance(u, torch.nn.Module)]
@@ -29,22 +36,39 @@ def find_units(model, units):
 
 
 def wait_units(model, units):
-    """overlap_param_gather's units: as find_units(), but a model without an nn.ModuleList
-    (and no units=) has none, and the root waits for every parameter."""
-    if units is None and not any(isinstance(m, torch.nn.ModuleList) and len(m) for m in model.modules()):
-        return []
+    """overlap_param_gather's units: as find_units(); the model's own forward waits for
+    the parameters no unit holds (all of them when there is no unit)."""
     return find_units(model, units)
 
 
-def _largest_module_list(model):
+def default_units(model):
+    """The units of a model given no units=, from its structure as the stack of layers
+    it is built of: the modules of its largest nn.ModuleList (by parameters); else the
+    children of the nn.Sequential with the most children that hold parameters (at
+    least two; the largest of equals); else, below the wrappers that hold one such child only, the children
+    that hold at least LARGE_CHILD_SHARE of the model's parameters. None at all (a model
+    of one layer) is no error: the root then holds every parameter, gathered for the
+    whole forward and backward, which works but saves no memory over stage 2."""
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
-    if not lists:
-        raise ValueError(
-            "stage=3 needs gather units, and the model has no nn.ModuleList to take them from. Pass units= "
-            "(the module classes or instances to gather one at a time, e.g. units=[MyBlock]); a model that is "
-            "gathered whole saves no memory over ZeRO stages 1 and 2, so use stage=2 for it.")
-    best = max(lists, key=lambda ml: sum(p.numel() for p in ml.parameters()))
-    return list(best)
+    if lists:
+        return list(max(lists, key=_numel))
+    seqs = [m for m in model.modules() if isinstance(m, torch.nn.Sequential) and len(_holding(m)) >= 2]
+    if seqs:  # the longest stack (Sequential(embedding, Sequential(*blocks), head): the blocks)
+        return _holding(max(seqs, key=lambda m: (len(_holding(m)), _numel(m))))
+    m = model
+    while len(_holding(m)) == 1 and not any(True for _ in m.parameters(recurse=False)):
+        m = _holding(m)[0]
+    total = _numel(model)
+    return [c for c in _holding(m) if _numel(c) >= LARGE_CHILD_SHARE * total]
+
+
+def _numel(module):
+    return sum(p.numel() for p in module.parameters())
+
+
+def _holding(module):
+    """The children of `module` that hold parameters."""
+    return [c for c in module.children() if _numel(c)]
 
 
 def _check_disjoint(model, found):
