@@ -283,8 +283,10 @@ def _bad_zero_input():
 
 
 def test_bad_input_is_refused_with_what_to_do(ranks):
+    # "devices": parameters on two devices; a CPU machine's second device is the meta device,
+    # refused as a model partly built there.
     expect = {"foreign": "not a parameter of the model", "missing": "not in the optimizer",
-              "devices": "one device", "world_size": "load_checkpoint", "step_inside": "after the with-block",
+              "devices": "meta device and some are not", "world_size": "load_checkpoint", "step_inside": "after the with-block",
               "overlap_no_model": "needs model="}
     for msgs in ranks.run(_bad_zero_input):
         for key, fragment in expect.items():

@@ -46,7 +46,7 @@ from horovod_zero.torch.zero.options import ZeroOptions
 from horovod_zero.torch.zero.stage3.hooks import Stage3
 from horovod_zero.torch.zero.state import rank_state
 from horovod_zero.torch.zero.state.view import ShardedStateView
-from horovod_zero.torch.zero.wrap import guard, placement
+from horovod_zero.torch.zero.wrap import guard, meta_init, placement
 from horovod_zero.torch.zero.wrap.cast import cast_floating
 from horovod_zero.torch.zero.wrap.init_state import created_state, holds_constructor_state
 from horovod_zero.torch.zero.wrap.names import check_in_model, check_names, name_map
@@ -96,7 +96,7 @@ class DistributedZeroOptimizer:
                  reduce_dtype=None, backward_passes_per_step=1, loss_scaler=None, overlap_param_gather=False,
                  cast_forward_inputs=True, units=None, reshard_after_forward=True, offload_optimizer=None,
                  nvme_path=None, offload_params=None, overlap_step=False, shard_group=None, process_set=None,
-                 reshard_root_after_forward=False, device=None):
+                 reshard_root_after_forward=False, device=None, init_fn=None):
         if loss_scaler is None and param_dtype == torch.float16:
             loss_scaler = LossScaler()
         options = ZeroOptions.check(
@@ -105,7 +105,8 @@ class DistributedZeroOptimizer:
             overlap_param_gather=overlap_param_gather, cast_forward_inputs=cast_forward_inputs, units=units,
             reshard_after_forward=reshard_after_forward, reshard_root_after_forward=reshard_root_after_forward,
             offload_optimizer=offload_optimizer, nvme_path=nvme_path, offload_params=offload_params,
-            overlap_step=overlap_step, shard_group=shard_group, process_set=process_set, device=device)
+            overlap_step=overlap_step, shard_group=shard_group, process_set=process_set, device=device,
+            init_fn=init_fn)
         self.options = options
         self.config = ZeroConfig.from_env()
         # Refused before anything changes.
@@ -121,6 +122,13 @@ class DistributedZeroOptimizer:
         self._names = check_names(optimizer, model, named_parameters)
         self._model = weakref.ref(model) if model is not None else None
         params = [p for g in optimizer.param_groups for p in g["params"]]
+        on_meta = meta_init.is_meta(model, params)
+        if on_meta and options.device is None:
+            raise ValueError("The model is on the meta device: pass device= (hvd.device(), or 'cpu' on CPU ranks), "
+                             "where it is made real, one unit at a time, and trains.")
+        # Makes a meta model real unit by unit as add_groups() shards it (only at construction).
+        self._meta_batches = meta_init.MetaInit(model, options.units, options.init_fn, self._names) if on_meta \
+            else None
         device = placement.resolve(options.device, params, model, self._names or {})
         self._storage = ShardedStorage(groups, device, options.master_device(device), options.param_dtype,
                                        self.config.init_chunk_bytes, sharded_params=options.stage == 3)
@@ -169,7 +177,9 @@ class DistributedZeroOptimizer:
     def _shard_groups(self, first):
         """Shards the param groups from `first` on, which still hold the model's own
         parameters, and hooks their parameters."""
-        params = self._storage.add_groups(self.optimizer.param_groups[first:], first, self._names)
+        params = self._storage.add_groups(self.optimizer.param_groups[first:], first, self._names,
+                                          self._meta_batches)
+        self._meta_batches = None
         self._reducer.extend(len(params))
         if params:
             self._step.add_shards(self._storage.shards[-len(params):], self._storage.stores[-len(params):])
@@ -210,6 +220,9 @@ class DistributedZeroOptimizer:
             check_in_model(params, self._names, len(self._storage.shards))
         shard_of = self._storage.shard_of
         seen = set()
+        if any(p.is_meta for p in params):
+            raise ValueError("add_param_group() with parameters on the meta device: only a model wrapped on the meta "
+                             "device is made real; make these real first (to_empty() and their init).")
         for p in params:
             if p in shard_of or p in seen:
                 name = shard_of[p].name if p in shard_of else (self._names or {}).get(p, "")

@@ -29,11 +29,13 @@ class ZeroOptions:
     shard_group: Optional[str]     # None (every rank of the scope) or "node" (hybrid sharding)
     process_set: Any               # hvd.ProcessSet, or None for every rank
     device: Any                    # device= as given (None: where the parameters are)
+    init_fn: Any = None            # a model on the meta device: called with each module to initialise it
 
     @classmethod
     def check(cls, *, has_model, stage, param_dtype, reduce_dtype, backward_passes_per_step, loss_scaling,
               overlap_param_gather, cast_forward_inputs, units, reshard_after_forward, reshard_root_after_forward,
-              offload_optimizer, nvme_path, offload_params, overlap_step, shard_group, process_set, device):
+              offload_optimizer, nvme_path, offload_params, overlap_step, shard_group, process_set, device,
+              init_fn=None):
         _check_stage(stage, has_model, units, overlap_param_gather, overlap_step)
         optimizer, params = _check_offload(offload_optimizer, nvme_path, offload_params, overlap_step, stage,
                                            loss_scaling, overlap_param_gather)
@@ -46,10 +48,12 @@ class ZeroOptions:
                              "within each node, replicate across nodes).")
         if process_set is not None and shard_group == "node":
             raise ValueError("process_set= with shard_group='node' is not supported: hybrid sharding spans the job.")
+        if init_fn is not None and not callable(init_fn):
+            raise ValueError(f"init_fn={init_fn!r} is not callable: pass a function of one module.")
         return cls(stage, param_dtype, reduce_dtype, backward_passes_per_step, loss_scaling,
                    bool(overlap_param_gather), bool(cast_forward_inputs), units, bool(reshard_after_forward),
                    bool(reshard_root_after_forward), optimizer, nvme_path, params, bool(overlap_step),
-                   None if shard_group == "world" else shard_group, process_set, device)
+                   None if shard_group == "world" else shard_group, process_set, device, init_fn)
 
     @property
     def offloaded(self) -> bool:

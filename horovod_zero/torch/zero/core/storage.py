@@ -36,10 +36,13 @@ class ShardedStorage:
         self.shard_of = {}
         self.init_path = "device"
 
-    def add_groups(self, groups, first, names):
+    def add_groups(self, groups, first, names, batches=None):
         """Shards `groups` (param groups `first`, ... of the optimizer, still holding the
         model's parameters): each parameter is moved into its padded buffer and the
-        group gets views of a flat fp32 master buffer instead. Returns the parameters."""
+        group gets views of a flat fp32 master buffer instead. Returns the parameters.
+        `batches(params)`, when given, yields the parameters in batches as they become real
+        (a model built on the meta device, wrap/meta_init.py): each batch is sharded and
+        its full values freed before the next is made."""
         params = [p for g in groups for p in g["params"]]
         index = len(self.shards)
         names = names or {p: f"param.{i}" for i, p in enumerate(params, index)}
@@ -47,11 +50,27 @@ class ShardedStorage:
         for g, group in enumerate(groups, first):
             plan.append(plan_group(group["params"], names, self.size, g, index + sum(map(len, plan))))
         shards = [s for g in plan for s in g]
-        _broadcast_initial_values(shards, params, self.groups.scope.process_set, self.groups.scope.root)
         chunk = self._init_chunk(shards, params)
         self.init_path = "device" if chunk is None else f"chunked ({chunk} elements)"
-        for group, group_shards in zip(groups, plan):
-            self._build_group(group, group_shards, chunk)
+        masters = [torch.zeros(sum(s.shard for s in gs), dtype=torch.float32, device=self.master_device) for gs in plan]
+        slot = {p: (s, m[s.offset:s.offset + s.shard]) for gs, m, g in zip(plan, masters, groups)
+                for s, p in zip(gs, g["params"])}
+        stores = {}
+        for batch in (batches(params) if batches is not None else [params]):
+            _broadcast_initial_values([slot[p][0] for p in batch], batch, self.groups.scope.process_set,
+                                      self.groups.scope.root)
+            for p in batch:
+                s, master_slice = slot[p]
+                stores[s.index] = self._rehome(s, p, master_slice, chunk)
+                if self.sharded_params:
+                    self._release(s, p, stores[s.index])
+        for group, gs, master in zip(groups, plan, masters):
+            views = [torch.nn.Parameter(master[s.offset:s.offset + s.shard], requires_grad=p.requires_grad)
+                     for s, p in zip(gs, group["params"])]
+            group["params"] = views
+            self.master.append(master)
+            self.master_params += views
+        self.stores += [stores[s.index] for s in shards]
         self.plan += plan
         self.shards += shards
         self.params += params
@@ -71,18 +90,6 @@ class ShardedStorage:
         # Master and gradient shards in fp32, plus one parameter's new storage at a time.
         need = 8 * sum(s.shard for s in shards) + 4 * biggest
         return None if need < 0.9 * free else (64 << 20) // 4
-
-    def _build_group(self, group, shards, chunk):
-        master = torch.zeros(sum(s.shard for s in shards), dtype=torch.float32, device=self.master_device)
-        views = []
-        for s, p in zip(shards, group["params"]):
-            self.stores.append(self._rehome(s, p, master[s.offset:s.offset + s.shard], chunk))
-            views.append(torch.nn.Parameter(master[s.offset:s.offset + s.shard], requires_grad=p.requires_grad))
-            if self.sharded_params:
-                self._release(s, p, self.stores[-1])
-        group["params"] = views
-        self.master.append(master)
-        self.master_params += views
 
     def _rehome(self, s, p, master_slice, chunk):
         """Moves p into zero-padded flat storage and fills its fp32 master shard."""
