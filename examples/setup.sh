@@ -40,14 +40,15 @@ logged() {
   return "$rc"
 }
 
-if "$VENV/bin/python" -c "import torch, pytest, ninja, cmake, scikit_build_core, horovod.runner" >/dev/null 2>&1; then
+if "$VENV/bin/python" -c "import torch, pytest, ninja, cmake, scikit_build_core, safetensors, horovod.runner" \
+    >/dev/null 2>&1; then
   say "environment $VENV"
 else
   say "setting up $VENV: torch 2.11, pytest, cmake, ninja, scikit-build-core, Horovod's launcher (a few minutes the first time)"
   pip=("$VENV/bin/pip" install --disable-pip-version-check --progress-bar off)
   logged "creating the environment" "$PY" -m venv "$VENV" || exit 1
   logged "installing torch and the tools" "${pip[@]}" torch==2.11.0 numpy pytest pytest-timeout cmake ninja \
-      scikit-build-core cloudpickle psutil pyyaml packaging || exit 1
+      scikit-build-core cloudpickle psutil pyyaml packaging safetensors || exit 1
   # Horovod's launcher only: its C++ extensions do not build against current torch,
   # and horovod_zero does not need them.
   HOROVOD_SKIP_COMPILE=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \

@@ -68,20 +68,43 @@ def test_per_rank_state_dict_between_stages(ranks, saved, resumed):
         assert max(errs.values()) < 1e-6, errs
 
 
-def _export(path):
+def _export(path, max_file_bytes):
+    import glob
+    import os
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file
     model = Net()
     opt = wrap(model, 3)
     train(model, opt, steps=STEPS)
-    hvd.zero.save_model(path, model, opt)  # every rank: the gathers are collectives
+    hvd.zero.save_model(path, model, opt, max_file_bytes=max_file_bytes)  # every rank: the gathers are collectives
     loaded = hvd.zero.load_model(path)
     fresh = Net(seed=5)
     fresh.load_state_dict(loaded)  # a plain torch model takes the file
-    return rel_errors(dict(fresh.named_parameters()), reference(steps=STEPS)), sorted(loaded) == sorted(
-        Net().state_dict())
+    # The safetensors package reads every file as it is, with the format Hugging Face checks for.
+    directory = path if os.path.isdir(path) else os.path.dirname(path)
+    files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+    by_package = {}
+    for f in files:
+        by_package.update(load_file(f))
+        with safe_open(f, "pt") as g:
+            assert g.metadata() == {"format": "pt"}, g.metadata()
+    same = sorted(by_package) == sorted(loaded) and all(torch.equal(by_package[k], loaded[k]) for k in loaded)
+    index = sorted(os.path.basename(f) for f in glob.glob(os.path.join(directory, "*.index.json")))
+    return (rel_errors(dict(fresh.named_parameters()), reference(steps=STEPS)), sorted(loaded) == sorted(
+        Net().state_dict()), same, [os.path.basename(f) for f in files], index)
 
 
-def test_streamed_export_holds_the_trained_weights(ranks, tmp_path):
-    path = str(tmp_path / "model.safetensors")
-    for errs, same_keys in ranks.run(_export, path):
-        assert same_keys
+@pytest.mark.parametrize("where,max_file_bytes", [("file", 5 << 30), ("file", 1000), ("dir", 1000)],
+                         ids=["one-file", "files-with-index", "directory"])
+def test_streamed_export_holds_the_trained_weights(ranks, tmp_path, where, max_file_bytes):
+    path = str(tmp_path / "model.safetensors") if where == "file" else str(tmp_path) + "/"
+    for errs, same_keys, read_by_package, files, index in ranks.run(_export, path, max_file_bytes):
+        assert same_keys and read_by_package
+        if max_file_bytes > 1 << 20:
+            assert files == ["model.safetensors"] and index == [], (files, index)
+        else:  # about 4 KB of weights: several files, named as Hugging Face names them
+            n = len(files)
+            assert n > 2 and files == [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)], files
+            assert index == ["model.safetensors.index.json"], index
         assert max(errs.values()) < 1e-6, errs
