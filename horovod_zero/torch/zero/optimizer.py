@@ -127,7 +127,7 @@ class DistributedZeroOptimizer:
             raise ValueError("The model is on the meta device: pass device= (hvd.device(), or 'cpu' on CPU ranks), "
                              "where it is made real, one unit at a time, and trains.")
         # Makes a meta model real unit by unit as add_groups() shards it (only at construction).
-        self._meta_batches = meta_init.MetaInit(model, options.units, options.init_fn, self._names) if on_meta \
+        self._meta_batches = meta_init.MetaInit(model, options.units, options.init_fn) if on_meta \
             else None
         device = placement.resolve(options.device, params, model, self._names or {})
         self._storage = ShardedStorage(groups, device, options.master_device(device), options.param_dtype,

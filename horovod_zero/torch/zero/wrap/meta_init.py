@@ -41,13 +41,12 @@ class MetaInit:
     """add_groups' `batches`: makes the model real in post-order, yielding the optimizer's
     parameters unit by unit (the root's between units) as they become real."""
 
-    def __init__(self, model, units, init_fn, names):
+    def __init__(self, model, units, init_fn):
         if model is None:
             raise ValueError("A model on the meta device needs model=: its modules initialise their parameters.")
         self._model = model
         self._init_fn = init_fn
         self._names = {m: n for n, m in model.named_modules()}
-        self._param_names = names or {}
         # Shapes while still meta: a shared parameter may be sharded (empty) by its second module.
         self._like = {id(p): (p.shape, p.dtype) for p in model.parameters()}
         owner = {}
@@ -66,12 +65,8 @@ class MetaInit:
                 pending = []
             current = unit
             pending += [p for p in self._make(m) if id(p) in wanted]
-        if pending:
+        if pending:  # every optimizer parameter is in the model (checked with the names, before this)
             yield pending
-        left = [self._param_names.get(p, tuple(p.shape)) for p in params if p.is_meta]
-        if left:
-            raise ValueError(f"Parameters {left[:3]} are on the meta device but in no module of the model: build the "
-                             "optimizer over model.parameters().")
 
     def _make(self, m):
         """Makes m's own parameters and buffers real and initialises them; returns the
