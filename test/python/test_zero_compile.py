@@ -121,7 +121,7 @@ def train_case(stage, how, when, ac, options=None, compiled_autograd=False, devi
     for step in range(STEPS):
         ids, target = (t[r * k:(r + 1) * k].to(dev) for t in batch(step))
         loss = loss_of(model, ids, target)
-        ctx = torch._dynamo.compiled_autograd._enable(torch.compile(backend="aot_eager")) if compiled_autograd \
+        ctx = torch._dynamo.compiled_autograd._enable(torch.compile(backend="eager")) if compiled_autograd \
             else contextlib.nullcontext()
         with ctx:
             loss.backward()
