@@ -68,6 +68,9 @@ class Stage3:
         self.forward_order, self.backward_order = OrderTrace(), OrderTrace()
         self.pinned = False  # gathered_params(): every parameter stays gathered, hooks do nothing
         self._final_queued = False
+        # Made here, not at import: torch._dynamo is imported only by those who wrap a model.
+        self._eager = torch._dynamo.disable(_call, recursive=True,
+                                            reason="horovod_zero's stage-3 backward hooks call into its runtime")
         self.assign()
         self.hooks = [model.register_forward_pre_hook(weak_hook(self, "root_pre_forward"), with_kwargs=True),
                       model.register_forward_hook(weak_hook(self, "root_post_forward"), with_kwargs=True)]
@@ -217,7 +220,7 @@ class Stage3:
                 self.reshard(u)
         if not self._reshard_root or self._aliases_root(output):
             return None
-        through = _through(self.root_pre_backward, output)
+        through = self._through(self.root_pre_backward, output)
         if through is not None:  # else no backward reaches the model: the root stays gathered
             self.reshard(self.root)
         return through
@@ -242,14 +245,14 @@ class Stage3:
             # checkpointing runs the first forward without grad, so only this one has hooks).
             self._queue_end_of_backward()
             self.unshard(unit)
-            return _through(functools.partial(self.post_backward, unit), (args, kwargs))
+            return self._through(functools.partial(self.post_backward, unit), (args, kwargs))
         self.forward_order.visit(unit.index)
         self.gather(unit)
         self._prefetch_next(self.forward_order)
         self.wait(unit, stream_ordered=True)
         if not torch.is_grad_enabled():
             return None
-        return _through(functools.partial(self.post_backward, unit), (args, kwargs))
+        return self._through(functools.partial(self.post_backward, unit), (args, kwargs))
 
     def post_forward(self, unit, module, args, kwargs, output):
         if self.pinned or _recomputing():
@@ -258,7 +261,12 @@ class Stage3:
             self.reshard(unit)
         if not torch.is_grad_enabled():
             return None
-        return _through(functools.partial(self.pre_backward, unit), output)
+        return self._through(functools.partial(self.pre_backward, unit), output)
+
+    def _through(self, on_backward, tree):
+        """_through() with on_backward called outside dynamo: under compiled autograd the
+        backward hooks would otherwise be traced, and they call into the runtime."""
+        return _through(functools.partial(self._eager, on_backward), tree)
 
     def _queue_end_of_backward(self):
         if not self._final_queued:
@@ -316,10 +324,9 @@ class _OnBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        _eagerly(ctx.on_backward)
+        ctx.on_backward()
         return (None,) + grads
 
 
-@torch._dynamo.disable(recursive=True, reason="horovod_zero's stage-3 backward hooks call into its runtime")
-def _eagerly(fn):
+def _call(fn):
     fn()
