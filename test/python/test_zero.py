@@ -214,12 +214,12 @@ def test_bf16_params_with_fp32_master_and_bf16_on_the_wire(ranks):
         assert wire == [("allgather", "bfloat16")], wire
 
 
-def _save(path, steps, device="cpu"):
+def _save(path, steps, device="cpu", fmt="dcp"):
     hvd.init()
     model = mlp(device=_on(device))
     opt = _wrap(model, stage=2)
     _train(model, opt, 1, "plain", None, steps=steps)
-    hvd.zero.save_checkpoint(path, model, opt)
+    hvd.zero.save_checkpoint(path, model, opt, format=fmt)
     hvd.shutdown()
 
 
@@ -235,11 +235,13 @@ def _resume(path, steps, start, device="cpu"):
     return out
 
 
-def test_consolidated_checkpoint_saved_at_2_ranks_resumes_at_3(tmp_path):
+@pytest.mark.parametrize("fmt", ["dcp", "consolidated"])
+def test_checkpoint_saved_at_2_ranks_resumes_at_3(tmp_path, fmt):
     path = str(tmp_path / "ckpt.pt")
-    res = launch(_save, 2, path, 2, timeout=120)
+    res = launch(_save, 2, path, 2, "cpu", fmt, timeout=120)
     assert all(s == "ok" for s, _ in res.values()), res
-    assert os.path.exists(path) and not [f for f in os.listdir(tmp_path) if ".tmp." in f]
+    assert (os.path.isfile if fmt == "consolidated" else os.path.isdir)(path)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]  # no temporary file or folder left
     res = launch(_resume, 3, path, 2, 2, timeout=120)
     assert all(s == "ok" for s, _ in res.values()), res
     ref, _ = train_reference(1, None, steps=4)

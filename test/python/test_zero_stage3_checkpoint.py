@@ -1,4 +1,4 @@
-"""ZeRO stage 3 checkpoints: consolidated files saved at 2 ranks resume at 3 and the
+"""ZeRO stage 3 checkpoints: sharded (DCP) checkpoints saved at 2 ranks resume at 3 and the
 other way round, between stages 3 and 2; per-rank state dicts between stages 3 and
 2; the streamed model export. Every resumed run is checked against one
 single-process torch run of all the steps."""
@@ -43,7 +43,7 @@ def _resume(path, stage):
 @pytest.mark.parametrize("saved,resumed", [((2, 3), (3, 3)), ((2, 3), (3, 2)), ((3, 2), (2, 3))],
                          ids=["2ranks_stage3-3ranks_stage3", "2ranks_stage3-3ranks_stage2",
                               "3ranks_stage2-2ranks_stage3"])
-def test_consolidated_checkpoint_across_world_sizes_and_stages(tmp_path, saved, resumed):
+def test_checkpoint_across_world_sizes_and_stages(tmp_path, saved, resumed):
     path = str(tmp_path / "ckpt.pt")
     shared_pool(saved[0]).run(_save, path, saved[1])
     for errs in shared_pool(resumed[0]).run(_resume, path, resumed[1]):

@@ -31,6 +31,9 @@ class ShardedStateView:
         self.shard_set = storage.groups.shard_set  # the set whose ranks hold one copy of every shard (None: all)
         self.scope = storage.groups.scope  # every rank of the optimizer, and its first (which writes files)
         self.device = storage.param_device
+        # The optimizer's DCP save still writing in the background (sharded_checkpoint.py), or None:
+        # the next save or load finishes it first.
+        self.pending_save = None
 
     @property
     def shards(self) -> List[ParamShard]:
