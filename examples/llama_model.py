@@ -7,12 +7,26 @@ from torch.utils.checkpoint import checkpoint
 
 LLAMA_1B = dict(layers=16, d=2048, heads=32, kv_heads=8, ffn=8192, vocab=128256, seq=2048)
 TINY = dict(layers=2, d=64, heads=4, kv_heads=2, ffn=128, vocab=512, seq=64)
+LLAMA_3B = dict(layers=28, d=3072, heads=24, kv_heads=8, ffn=8192, vocab=128256, seq=2048)
+LLAMA_8B = dict(layers=32, d=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, seq=2048)
+
+
+def init_weights(module):
+    """The init of a normal build, per module, for models built on the meta device (the
+    Decoder's constructor draws the embedding with std 0.02 after Embedding's own init)."""
+    if isinstance(module, torch.nn.Embedding):
+        torch.nn.init.normal_(module.weight, std=0.02)
+    elif hasattr(module, "reset_parameters"):
+        module.reset_parameters()
 
 
 class RMSNorm(torch.nn.Module):
     def __init__(self, d):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(d))
+
+    def reset_parameters(self):  # what a model built on the meta device is initialised with
+        torch.nn.init.ones_(self.weight)
 
     def forward(self, x):
         return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5).to(x.dtype) * self.weight
