@@ -63,12 +63,16 @@ def timed(fn):
 
 
 def disk_gib(path):
+    """The checkpoint's size (rank 0, which prints it; the others may have moved on)."""
+    if hvd.rank() != 0:
+        return 0.0
     if os.path.isfile(path):
         return os.path.getsize(path) / 2**30
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs) / 2**30
 
 
 def clear(path):
+    hvd.allreduce(torch.zeros(1), name="bench.ckpt.measured")
     if hvd.rank() == 0:
         shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else (os.path.exists(path) and os.remove(path))
     hvd.allreduce(torch.zeros(1), name="bench.ckpt.cleared")

@@ -96,10 +96,12 @@ def main():
         sync()
         wrap = time.perf_counter() - t0
     wrap_peak = gpu_peak()
-    n = sum(p.numel() for p in (opt.sharded_state.params if args.system == "ours" else model.parameters())) \
-        if args.system != "deepspeed3" else sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-    if args.system == "fsdp2":
+    if args.system == "ours":
+        n = sum(s.numel for s in opt.sharded_state.shards)
+    elif args.system == "fsdp2":
         n = sum(p.numel() for p in model.parameters())  # DTensors: the full sizes
+    else:
+        n = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     inner = model.module if args.system == "deepspeed3" else model
     inner.ac = True
     if torch.cuda.is_available():

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine after run_on_gpu_machine.sh built horovod_zero (same call, or a warm
 # machine): the large-model benchmarks. CKPT=1 runs examples/bench_checkpoint.py (the 1.2B
-# model's DCP, async and consolidated checkpoints against FSDP2's DCP) on every GPU;
+# model's DCP, async and consolidated checkpoints against FSDP2's DCP) on every GPU, with CKPT_ARGS;
 # INIT_RUNS lists bench_init.py runs, ';'-separated, each "GPUS:args" (e.g.
 # "2:--model 8b --system ours;1:--model 3b --system ours --offload"). Logs go to $OUT.
 set -uo pipefail
@@ -17,7 +17,7 @@ if [ -f build/deps/deepspeed/VERSION ] && [[ "${INIT_RUNS:-}" == *deepspeed* ]];
 fi
 if [ "${CKPT:-0}" = 1 ]; then
   timeout "${CKPT_TIMEOUT:-400}" python3 -m torch.distributed.run --nproc_per_node="$GPUS" --master_port="$(free_port)" \
-    examples/bench_checkpoint.py --dir "${CKPT_DIR:-/tmp/hvdz_ckpt_bench}" 2>&1 | grep -v "^W1\|OMP_NUM\|^\*\*\*" \
+    examples/bench_checkpoint.py --dir "${CKPT_DIR:-/tmp/hvdz_ckpt_bench}" ${CKPT_ARGS:-} 2>&1 | grep -v "^W1\|OMP_NUM\|^\*\*\*" \
     | tee "$OUT/bench_checkpoint.log" | tail -12
 fi
 IFS=';' read -ra init_runs <<< "${INIT_RUNS:-}"

@@ -1,5 +1,5 @@
 """Large-model features on CUDA over NCCL: a model built on the meta device and made
-real unit by unit onto the GPU gets the values of a normal build; sharded DCP
+real unit by unit on the GPU gets the values of a normal build on the GPU; sharded DCP
 checkpoints saved from GPU shards at stage 3 load back at stage 3 and stage 2,
 synchronously and asynchronously, to the same weights."""
 
@@ -46,8 +46,8 @@ def _full(model, opt):
 def _meta_on_cuda():
     model = mi.build(meta=True)
     opt = _wrap(model, 3)
-    torch.manual_seed(0)
-    normal = mi.build(meta=False).to(hvd.device())
+    with torch.device(hvd.device()):
+        normal = mi.build(meta=False)
     opt_n = _wrap(normal, 3)
     masters = all(torch.equal(a, b) for a, b in zip(opt._storage.master_params, opt_n._storage.master_params))
     on_gpu = all(t.device.type == "cuda" for t in list(model.parameters()) + list(model.buffers()))

@@ -126,10 +126,10 @@ class DistributedZeroOptimizer:
         if on_meta and options.device is None:
             raise ValueError("The model is on the meta device: pass device= (hvd.device(), or 'cpu' on CPU ranks), "
                              "where it is made real, one unit at a time, and trains.")
-        # Makes a meta model real unit by unit as add_groups() shards it (only at construction).
-        self._meta_batches = meta_init.MetaInit(model, options.units, options.init_fn) if on_meta \
-            else None
         device = placement.resolve(options.device, params, model, self._names or {})
+        # Makes a meta model real unit by unit, on `device`, as add_groups() shards it (only at construction).
+        self._meta_batches = meta_init.MetaInit(model, options.units, options.init_fn, device) if on_meta \
+            else None
         self._storage = ShardedStorage(groups, device, options.master_device(device), options.param_dtype,
                                        self.config.init_chunk_bytes, sharded_params=options.stage == 3)
         if options.offloaded:
