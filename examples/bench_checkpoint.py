@@ -111,7 +111,6 @@ def ours(cfg, dev, where, lines):
     t, mem = timed(lambda: hvd.zero.load_checkpoint(path, model, opt))
     lines.append(("horovod_zero stage 3, consolidated load (rank 0)", t, disk_gib(path), mem))
     clear(path)
-    del opt, model
 
 
 def fsdp2(cfg, dev, where, lines):
@@ -142,7 +141,6 @@ def fsdp2(cfg, dev, where, lines):
     t, mem = timed(load)
     lines.append(("FSDP2, dcp.load + set_state_dict", t, disk_gib(path), mem))
     clear(path)
-    del opt, model
 
 
 def main():
