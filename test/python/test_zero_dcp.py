@@ -304,3 +304,25 @@ def _load_error_fewer(path):
         return None, 0.0
     except ValueError as e:
         return str(e), 0.0
+
+
+def _load_into_sgd(path):
+    model = Net(seed=7)
+    opt = hvd.DistributedZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model=model,
+                                       stage=3)
+    before = _ours_full(model, opt)
+    try:
+        hvd.zero.load_checkpoint(path, model, opt)
+        msg = None
+    except ValueError as e:
+        msg = str(e)
+    after = _ours_full(model, opt)
+    return msg, all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_a_checkpoint_of_another_optimizer_is_refused_before_anything_is_read(tmp_path):
+    path = str(tmp_path / "ckpt")
+    shared_pool(2).run(_ours_save, path)
+    for msg, unchanged in shared_pool(2).run(_load_into_sgd, path):
+        assert msg is not None and "another optimizer class" in msg and "momentum" in msg, msg
+        assert unchanged  # the weights were not touched

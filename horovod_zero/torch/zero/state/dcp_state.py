@@ -186,6 +186,36 @@ class LoadTarget:
     def _value(self, entry_value):
         return self.flat[entry_value] if isinstance(entry_value, str) else entry_value
 
+    def objects(self):
+        """The keys of what is read first: every object (not tensor). check() looks at them
+        before any tensor is read into the shards."""
+        return {k: v for k, v in self.flat.items() if isinstance(v, _Placeholder)}
+
+    def tensors(self):
+        return {k: v for k, v in self.flat.items() if not isinstance(v, _Placeholder)}
+
+    def take(self, objects):
+        self.flat.update(objects)
+
+    def check(self):
+        """Refuses, before any tensor is read, param groups that match none of the
+        checkpoint's, or another optimizer class (its groups have other hyperparameters)."""
+        saved = self._nested("optim", "param_groups")
+        inner, self._matched = self.view.inner, []
+        for g, group in enumerate(inner.param_groups):
+            names = [s.name for s in self.view.groups[g]]
+            match = [h for h in saved.values() if names and names[0] in (h.get("params") or [])]
+            if not match:
+                raise ValueError(f"The checkpoint has no param group with the parameter {names[:1]}; was it saved "
+                                 "from this model and optimizer?")
+            keys = lambda d: set(d) - _OPTIONAL  # noqa: E731
+            if keys(match[0]) != keys(group):
+                raise ValueError(
+                    f"The checkpoint's param group of {names[:1]} has hyperparameters {sorted(keys(match[0]))}, "
+                    f"this {type(inner).__name__}'s have {sorted(keys(group))}: it was saved with another optimizer "
+                    "class. Use the same optimizer to resume it.")
+            self._matched.append(match[0])
+
     def apply(self):
         """After the read: the optimizer's state and hyperparameters, the loss scaler and
         the step count take the loaded values (the masters were loaded in place)."""
@@ -196,14 +226,8 @@ class LoadTarget:
             ids.update(zip(map(id, group["params"]), saved_group["params"]))
         sd["state"] = {ids[id(view.masters[i])]: {k: self._value(v) for k, v in entry.items()}
                        for i, entry in self._state.items()}
-        saved = self._nested("optim", "param_groups")
-        for g, group in enumerate(sd["param_groups"]):
-            names = [s.name for s in view.groups[g]]
-            match = [h for h in saved.values() if names and names[0] in (h.get("params") or [])]
-            if not match:
-                raise ValueError(f"The checkpoint has no param group with {names[:1]}; was it saved from this "
-                                 "model and optimizer?")
-            group.update({k: v for k, v in match[0].items() if k not in ("params", "param_names")})
+        for group, match in zip(sd["param_groups"], self._matched):
+            group.update({k: v for k, v in match.items() if k not in ("params", "param_names")})
         inner.load_state_dict(sd)
         zero = self._nested("zero")
         if view.loss_scaler is not None and zero.get("loss_scaler"):
@@ -213,3 +237,9 @@ class LoadTarget:
         if count is None and steps:  # a checkpoint of another tool: its optimizer's step
             count = int(self._value(steps[0]))
         view.set_step_count(count)
+
+
+# Hyperparameters one version of an optimizer has and another lacks, or a scheduler adds:
+# they say nothing of the optimizer class.
+_OPTIONAL = {"params", "param_names", "initial_lr", "decoupled_weight_decay", "fused", "foreach", "capturable",
+             "differentiable", "maximize"}

@@ -123,7 +123,11 @@ def load(path, model, opt):
     metadata = dcp_io.read_metadata(path, view.scope, tag)
     with view.materialized(write_back=True):
         target = dcp_state.LoadTarget(model, view, metadata)  # refuses a misfit alike on every rank
-        dcp_io.read(target.flat, path, metadata, view.scope, tag)
+        objects = target.objects()
+        dcp_io.read(objects, path, metadata, view.scope, f"{tag}.objects")
+        target.take(objects)
+        target.check()  # before any tensor is read: a refused load leaves the model as it was
+        dcp_io.read(target.tensors(), path, metadata, view.scope, tag)
         target.apply()
         view.publish()
 
