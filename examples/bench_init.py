@@ -4,8 +4,9 @@ unit), FSDP2 (fully_shard per block, to_empty, then each module's init) and Deep
 ZeRO-3 (deepspeed.zero.Init around the constructor, then deepspeed.initialize). All use
 bf16 parameters for compute, fp32 masters and AdamW, and then take one training step
 (micro-batch 1, activation checkpointing per block) to show the wrapped model trains.
-Prints the wrap time, the host memory the wrap added at its peak (sampled RSS), the GPU
-peak during the wrap and during the step, largest over ranks.
+Prints the wrap time (both systems' communicators made before it starts), the host memory
+the wrap added at its peak (sampled RSS), the GPU peak during the wrap and during the step,
+largest over ranks.
 
     torchrun --nproc_per_node=2 examples/bench_init.py --model 8b --system ours
     torchrun --nproc_per_node=2 examples/bench_init.py --model 8b --system fsdp2
@@ -81,13 +82,17 @@ def main():
     ap.add_argument("--model", choices=list(MODELS), default="8b")
     ap.add_argument("--system", choices=("ours", "fsdp2", "deepspeed3"), default="ours")
     ap.add_argument("--offload", action="store_true", help="optimizer state and parameters on the host")
+    ap.add_argument("--layers", type=int, default=0, help="the model's shape with this many layers")
     args = ap.parse_args()
     hvd.init()
     dev = hvd.device()
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", device_id=dev if dev.type == "cuda" else None)
-    cfg = MODELS[args.model]
+    cfg = dict(MODELS[args.model], **({"layers": args.layers} if args.layers else {}))
+    # Both communicators made before the clock starts (NCCL's setup takes seconds): torch's by the
+    # barrier, ours by a first collective on the device.
+    hvd.allreduce(torch.zeros(1, device=dev), name="bench.init.warm")
     sync()
     dist.barrier()
     with RssPeak() as rss:
@@ -118,7 +123,7 @@ def main():
     out = hvd.allreduce(out, op=hvd.Max, name="bench.init.max").tolist()
     if hvd.rank() == 0:
         print(f"== bench_init: {args.system}{' +offload' if args.offload else ''}, {args.model} model "
-              f"({n / 1e9:.2f}B parameters), {hvd.size()} ranks, "
+              f"{'' if not args.layers else f'with {args.layers} layers '}({n / 1e9:.2f}B parameters), {hvd.size()} ranks, "
               f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}: wrap {out[0]:.1f} s, host "
               f"+{out[1]:.2f} GiB at peak, GPU peak {out[2]:.2f} GiB during the wrap; first step "
               f"{out[4]:.1f} s, GPU peak {out[3]:.2f} GiB; loss {loss.item():.3f}", flush=True)
