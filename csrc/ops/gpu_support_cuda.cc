@@ -86,7 +86,10 @@ class CudaSupport : public GpuSupport {
   Status DeviceOf(int device, Device** out) {
     auto it = devices_.find(device);
     if (it == devices_.end()) {
-      DeviceGuard g(device);
+      // No guard: this thread is ours and works for this one device from now on. Setting the
+      // previous device back (device 0 on a new thread) would make a CUDA context there, on
+      // CUDA 12 and later: every rank would then hold about 500 MiB of GPU 0.
+      HVDZ_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device), "cudaSetDevice"));
       // High priority: collectives should not queue behind the compute they overlap.
       int lo = 0, hi = 0;
       cudaDeviceGetStreamPriorityRange(&lo, &hi);

@@ -405,3 +405,29 @@ def _stream_ordered_wait():
 
 def test_stream_ordered_wait_orders_the_callers_stream_after_the_op(gpus):
     assert gpus.run(_stream_ordered_wait) == [True] * gpus.size
+
+
+def _processes_on_gpu0():
+    import os
+    import subprocess
+    hvd.init()
+    torch.cuda.set_device(hvd.local_rank())
+    hvd.synchronize(hvd.allreduce_async(torch.ones(4, device="cuda"), name="ctx.probe"))
+    hvd.allreduce(torch.zeros(1), name="ctx.done")  # every rank's runtime has made its device state
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader", "-i", "0"],
+                         capture_output=True, text=True, check=True).stdout
+    pids = {int(x) for x in out.split()}
+    hvd.allreduce(torch.zeros(1), name="ctx.listed")
+    hvd.shutdown()
+    return os.getpid(), pids
+
+
+@pytest.mark.gpus(2)
+def test_no_rank_but_the_first_makes_a_context_on_gpu_0():
+    # On CUDA 12+, cudaSetDevice(0) makes a context: a runtime thread that set device 0 back
+    # after its work on device 1 cost every other rank about 500 MiB of GPU 0.
+    res = launch(_processes_on_gpu0, 2, timeout=120)
+    assert all(s == "ok" for s, _ in res.values()), res
+    (pid0, seen), (pid1, _) = res[0][1], res[1][1]
+    assert pid0 in seen, (pid0, seen)  # nvidia-smi shows this container's processes
+    assert pid1 not in seen, (pid1, seen)
