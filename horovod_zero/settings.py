@@ -158,6 +158,9 @@ VARIABLES = (
              "device lacks memory"),
     Variable("HOROVOD_ZERO_PREFETCH", "prefetch", "zero", _Number(int, 0), 1,
              "ZeRO stage 3: gather units fetched ahead of the one in use; 0: none"),
+    Variable("HOROVOD_ZERO_FUSED_STEP", "fused_step", "zero", _Bool(), True,
+             "ZeRO: step Adam and AdamW master shards with torch's fused kernel when foreach was left "
+             "unset; 0: as the optimizer was built"),
     Variable("HOROVOD_ZERO_CPU_ADAM_ISA", "cpu_adam_isa", "cpu_adam", _Choice(("auto", "avx512", "avx2", "scalar")),
              "auto", "ZeRO CPU offload: instruction set of the C++ Adam step; auto: the widest this CPU has"),
     Variable("HOROVOD_ZERO_NVME_QUEUE_DEPTH", "nvme_queue_depth", "nvme", _Number(int, 1, 1024), 8,

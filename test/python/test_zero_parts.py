@@ -694,7 +694,7 @@ def _stepped(max_norm, bad):
     st, params, _ = _build()
     # The inner optimizer is used by step() only: clip() and found_inf() never reach it (and
     # a first torch.optim optimizer costs seconds of imports in each rank).
-    step = DeviceStep(st, None, True)
+    step = DeviceStep(st, None, True, False)
     red = GradReducer(st, step.sink, True, 1, None, 1 << 20)
     red.extend(len(params))
     _backward(params, red, 0, True, bad=float(bad) if bad else None)
@@ -726,3 +726,48 @@ def test_device_step_found_inf_is_true_on_every_rank_when_one_rank_has_one(ranks
     assert [found for found, _, _, _ in results] == [True] * ranks.size
     # Only rank 0's shard holds the bad element: the others' own gradients are finite.
     assert [finite for _, finite, _, _ in results] == [False] + [True] * (ranks.size - 1)
+
+
+def test_adam_and_adamw_left_to_their_default_kernel_step_fused():
+    from horovod_zero.torch.zero.core import fused
+    p = [torch.nn.Parameter(torch.randn(5))]
+    default, chosen = torch.optim.AdamW(p, lr=0.1), torch.optim.Adam(p, lr=0.1, foreach=True)
+    sgd, capturable = torch.optim.SGD(p, lr=0.1), torch.optim.Adam(p, lr=0.1, capturable=True)
+    for o in (default, chosen, sgd, capturable):
+        fused.prefer_fused(o)
+    assert default.param_groups[0]["fused"] is True and default.param_groups[0]["foreach"] is False
+    assert chosen.param_groups[0]["fused"] is None and chosen.param_groups[0]["foreach"] is True
+    assert "fused" not in sgd.param_groups[0] or not sgd.param_groups[0]["fused"]
+    assert capturable.param_groups[0]["fused"] is None
+
+
+def test_the_fused_step_matches_foreach_to_fp32_rounding():
+    from horovod_zero.torch.zero.core import fused
+    a = [torch.nn.Parameter(torch.randn(257)) for _ in range(3)]
+    b = [torch.nn.Parameter(x.detach().clone()) for x in a]
+    ref, fast = torch.optim.AdamW(a, lr=1e-2, weight_decay=0.1, foreach=True), torch.optim.AdamW(b, lr=1e-2,
+                                                                                                 weight_decay=0.1)
+    fused.prefer_fused(fast)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        for x, y in zip(a, b):
+            x.grad = torch.randn(257, generator=g)
+            y.grad = x.grad.clone()
+        ref.step()
+        fast.step()
+    assert fast.param_groups[0]["fused"]
+    assert max(((x - y).abs().max() / x.abs().max()).item() for x, y in zip(a, b)) < 1e-6
+
+
+def test_a_loaded_step_moves_where_the_fused_kernel_reads_it():
+    from horovod_zero.torch.zero.core import fused
+    p = [torch.nn.Parameter(torch.randn(5))]
+    o = torch.optim.AdamW(p, lr=0.1)
+    fused.prefer_fused(o)
+    o.state[p[0]] = {"step": torch.tensor(3, dtype=torch.float64), "exp_avg": torch.zeros(5),
+                     "exp_avg_sq": torch.zeros(5)}
+    fused.place_steps(o)
+    assert o.state[p[0]]["step"].dtype == torch.float32 and o.state[p[0]]["step"].item() == 3
+    p[0].grad = torch.ones(5)
+    o.step()
+    assert o.state[p[0]]["step"].item() == 4

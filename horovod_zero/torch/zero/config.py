@@ -14,6 +14,7 @@ class ZeroConfig:
     downcast: bool                   # HOROVOD_ZERO_DOWNCAST: cast to param_dtype in the gather's copy-in
     init_chunk_bytes: Optional[int]  # HOROVOD_ZERO_INIT_CHUNK_BYTES: force the host-staged init
     prefetch: int                    # HOROVOD_ZERO_PREFETCH: stage 3 units gathered ahead
+    fused_step: bool                 # HOROVOD_ZERO_FUSED_STEP: Adam/AdamW masters stepped by the fused kernel
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "ZeroConfig":

@@ -136,7 +136,7 @@ class DistributedZeroOptimizer:
             self._step = HostStep(options, self._storage, optimizer, self.config.downcast,
                                   logging.getLogger("horovod_zero").warning)
         else:
-            self._step = DeviceStep(self._storage, optimizer, self.config.downcast)
+            self._step = DeviceStep(self._storage, optimizer, self.config.downcast, self.config.fused_step)
         self._gatherer = self._step.gatherer
         self._reducer = GradReducer(self._storage, self._step.sink, options.stage >= 2,
                                     options.backward_passes_per_step, options.reduce_dtype, self.config.bucket_bytes)

@@ -7,7 +7,7 @@ import contextlib
 
 import torch
 
-from horovod_zero.torch.zero.core import norms
+from horovod_zero.torch.zero.core import fused, norms
 from horovod_zero.torch.zero.core.gather import ParamGatherer
 
 
@@ -60,11 +60,14 @@ class MasterSource:
 class DeviceStep:
     """StepStrategy of the master shards on the parameters' device."""
 
-    def __init__(self, storage, optimizer, downcast):
+    def __init__(self, storage, optimizer, downcast, fused_step):
         self._st = storage
         self._optimizer = optimizer
+        self._fused = fused_step  # Adam/AdamW left to its default kernel: the fused one (core/fused.py)
         self.sink = MasterGrads(storage)
         self.gatherer = ParamGatherer(storage, MasterSource(storage), downcast)
+        if fused_step:
+            fused.prefer_fused(optimizer)
 
     def _grads(self):
         return [mp.grad for mp in self._st.master_params if mp.grad is not None]
@@ -72,7 +75,8 @@ class DeviceStep:
     state_on_disk = False
 
     def add_shards(self, shards, stores):
-        pass
+        if self._fused:
+            fused.prefer_fused(self._optimizer)  # the group just added
 
     def check_add_group(self):
         pass
@@ -107,7 +111,7 @@ class DeviceStep:
         pass
 
     def refresh(self):
-        pass
+        fused.place_steps(self._optimizer)  # a load may have put `step` on the host
 
     def params_ready(self, indices):
         pass
