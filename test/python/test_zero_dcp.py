@@ -326,3 +326,93 @@ def test_a_checkpoint_of_another_optimizer_is_refused_before_anything_is_read(tm
     for msg, unchanged in shared_pool(2).run(_load_into_sgd, path):
         assert msg is not None and "another optimizer class" in msg and "momentum" in msg, msg
         assert unchanged  # the weights were not touched
+
+
+# --- a rank that fails alone, 0-dim parameters, groups split another way ------------------
+
+class Scaled(Net):
+    """Net with a trained 0-dim parameter (a learned temperature)."""
+
+    def __init__(self, seed=0):
+        super().__init__(seed)
+        self.temperature = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, ids):
+        return super().forward(ids) * self.temperature
+
+
+def _scalar_round_trip(path):
+    model = Scaled()
+    opt = hvd.DistributedZeroOptimizer(_adamw(model), model=model, stage=3)
+    _train(model, opt, 0, 2)
+    hvd.zero.save_checkpoint(path, model, opt)
+    _train(model, opt, 2, 2)
+    want = _ours_full(model, opt)
+    model2 = Scaled(seed=7)
+    opt2 = hvd.DistributedZeroOptimizer(_adamw(model2), model=model2, stage=3)
+    hvd.zero.load_checkpoint(path, model2, opt2)
+    _train(model2, opt2, 2, 2)  # the moments of the 0-dim parameter were loaded with their shape
+    got = _ours_full(model2, opt2)
+    return max(((want[n] - got[n]).abs().max() / want[n].abs().max()).item() for n in want)
+
+
+def test_a_0_dim_parameter_and_its_moments_round_trip(tmp_path):
+    for err in shared_pool(2).run(_scalar_round_trip, str(tmp_path / "ckpt")):
+        assert err < 1e-6, err
+
+
+def _fails_alone(path, where):
+    from horovod_zero.torch.zero.state import dcp_state
+    model, opt = _ours()
+    _train(model, opt, 0, 1)
+    hvd.zero.save_checkpoint(path, model, opt)
+    original = dcp_state.staged if where == "staging" else dcp_state.LoadTarget._plan_optimizer
+    if hvd.rank() == 1:
+        def broken(*args, **kwargs):
+            raise MemoryError("pinned memory exhausted" if where == "staging" else "CUDA out of memory")
+        if where == "staging":
+            dcp_state.staged = broken
+        else:
+            dcp_state.LoadTarget._plan_optimizer = broken
+    start = time.monotonic()
+    try:
+        if where == "staging":
+            hvd.zero.async_save_checkpoint(path, model, opt).wait()
+        else:
+            hvd.zero.load_checkpoint(path, model, opt)
+        msg = None
+    except RuntimeError as e:
+        msg = str(e)
+    finally:
+        if where == "staging":
+            dcp_state.staged = original
+        else:
+            dcp_state.LoadTarget._plan_optimizer = original
+    return msg, time.monotonic() - start
+
+
+@pytest.mark.parametrize("where", ["staging", "load_target"])
+def test_a_rank_that_fails_alone_makes_every_rank_raise(tmp_path, where):
+    for msg, seconds in shared_pool(2).run(_fails_alone, str(tmp_path / "ckpt"), where, timeout=60):
+        assert msg is not None and "rank 1" in msg and "MemoryError" in msg, msg
+        assert seconds < 20
+
+
+def _other_grouping(path):
+    model = Net(seed=7)
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+    opt = hvd.DistributedZeroOptimizer(torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}],
+                                                         lr=0.02), model=model, stage=3)
+    try:
+        hvd.zero.load_checkpoint(path, model, opt)
+        return None
+    except ValueError as e:
+        return str(e)
+
+
+def test_param_groups_split_another_way_are_refused(tmp_path):
+    path = str(tmp_path / "ckpt")
+    shared_pool(2).run(_ours_save, path)
+    for msg in shared_pool(2).run(_other_grouping, path):
+        assert msg is not None and "groups them another way" in msg, msg

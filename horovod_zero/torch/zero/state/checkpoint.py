@@ -17,6 +17,7 @@ def save_checkpoint(path, model, opt, format="dcp"):
     reads) or "consolidated" (one file, written by the first rank). Every rank calls it."""
     if format not in FORMATS:
         raise ValueError(f"format={format!r}: use one of {FORMATS}")
+    sharded_checkpoint.settle(opt.sharded_state)  # an async save still writing lands first
     if format == "consolidated":
         return consolidated.save_file(path, model, opt)
     return sharded_checkpoint.save(path, model, opt)
@@ -35,6 +36,7 @@ def load_checkpoint(path, model, opt):
     sharding, or a DCP checkpoint FSDP2 wrote ({"model": ..., "optim": ...} of
     get_state_dict). Every rank calls it."""
     path = os.fspath(path)
+    sharded_checkpoint.settle(opt.sharded_state)  # an async save still writing (perhaps to `path`) lands first
     scope = opt.sharded_state.scope
     found = broadcast_object(sharded_checkpoint.kind(path) if scope.is_root() else None, root_rank=scope.root,
                              name="zero.ckpt.kind", process_set=scope.process_set)

@@ -68,7 +68,7 @@ def _position(scope):
     return scope.process_set.rank() if scope.process_set is not None else basics.rank()
 
 
-def _exchange(scope, name, value=None, failure=None, what=""):
+def exchange(scope, name, value=None, failure=None, what=""):
     """Every rank's `value`, in rank order; raises on every rank when any rank failed."""
     mine = ("error", f"{type(failure).__name__}: {failure}") if failure is not None else ("ok", value)
     everyone = allgather_object(mine, name=name, process_set=scope.process_set)
@@ -92,20 +92,21 @@ class PlannedSave:
     collective, so it may run on another thread) and finish() (every rank) writes
     the metadata once all have written."""
 
-    def __init__(self, state_dict, path, scope, tag):
+    def __init__(self, make_state, path, scope, tag):
         self.path, self.scope, self.tag = path, scope, tag
         self._writer = _writer(path)
         self._planner = _save_planner()
         first = scope.is_root()
         local, failure = None, None
         try:
+            state_dict = make_state()  # here, so that a rank that fails to make it is heard
             self._planner.set_up_planner(state_dict=state_dict, storage_meta=self._writer.storage_meta(),
                                          is_coordinator=first)
             self._writer.set_up_storage_writer(first, rank=_position(scope), use_collectives=True)
             local = self._writer.prepare_local_plan(self._planner.create_local_plan())
         except Exception as e:  # every rank must hear of it
             failure = e
-        plans = _exchange(scope, f"{tag}.plan", local, failure, f"Planning the checkpoint {path!r}")
+        plans = exchange(scope, f"{tag}.plan", local, failure, f"Planning the checkpoint {path!r}")
         plans, self._metadata = self._planner.create_global_plan(plans)
         plans = self._writer.prepare_global_plan(plans)
         self._plan = self._planner.finish_plan(plans[_position(scope)])
@@ -119,9 +120,11 @@ class PlannedSave:
             self._results = pending.value()
         except Exception as e:  # reported to every rank by finish()
             self._failure = e
+        finally:
+            self._planner = None  # and with it the state it wrote (an async save's staged copy)
 
     def finish(self):
-        results = _exchange(self.scope, f"{self.tag}.written", self._results, self._failure,
+        results = exchange(self.scope, f"{self.tag}.written", self._results, self._failure,
                             f"Writing the checkpoint {self.path!r}")
         failure = None
         if self.scope.is_root():
@@ -136,6 +139,10 @@ def missing_files(path, metadata):
     """The data files the metadata names that are not in `path`."""
     files = sorted({info.relative_path for info in metadata.storage_data.values()})
     return [f for f in files if not os.path.isfile(os.path.join(path, f))]
+
+
+def broadcast_mark(mark, scope, tag):
+    return broadcast_object(mark, root_rank=scope.root, name=tag, process_set=scope.process_set)
 
 
 def read_metadata(path, scope, tag):
@@ -176,7 +183,8 @@ def read(flat_state, path, metadata, scope, tag):
         reader.read_data(plan, planner).wait()
     except Exception as e:  # every rank raises alike
         failure = e
-    _exchange(scope, f"{tag}.read", None, failure, f"Reading the checkpoint {path!r}")
+    exchange(scope, f"{tag}.read", None, failure, f"Reading the checkpoint {path!r} (what was read before the "
+             "failure may be in the model and optimizer: load a good checkpoint before training on)")
 
 
 def fsync_dir(path):

@@ -29,13 +29,16 @@ def save_state(model, view):
     index = {p: i for i, p in enumerate(view.params)}
     shards, masters, inner = view.shards, view.masters, view.inner
     model_sd = {}
+    covered = set()
     if model is not None:
         params = dict(model.named_parameters(remove_duplicate=False))
         for name, t in model.state_dict(keep_vars=True).items():
             i = index.get(params.get(name))
             model_sd[name] = _slice(masters[i], shards[i], view.rank) if i is not None else t.detach()
-    else:
-        model_sd = {s.name: _slice(m, s, view.rank) for s, m in zip(shards, masters)}
+            covered.add(i)
+    for s, m in zip(shards, masters):  # every trained parameter, also one a custom state_dict() leaves out
+        if s.index not in covered:
+            model_sd[s.name] = _slice(m, s, view.rank)
     state = {}
     for s, mp in zip(shards, masters):
         entry = inner.state.get(mp)
@@ -131,8 +134,12 @@ class LoadTarget:
                 else:
                     seen.add(i)
                     wanted[name] = (i, tuple(view.shards[i].shape))
+            seen_all = seen
         else:
-            wanted = {s.name: (s.index, tuple(s.shape)) for s in view.shards}
+            seen_all = set()
+        for s in view.shards:  # every trained parameter, also one a custom state_dict() leaves out
+            if s.index not in seen_all:
+                wanted[s.name] = (s.index, tuple(s.shape))
         missing = [n for n in wanted if n not in saved]
         unexpected = [n for n in saved if n not in wanted and n not in aliases]
         shapes = [f"{n}: saved {tuple(self._md[saved[n]].size)}, here {shape}" for n, (_, shape) in wanted.items()
@@ -170,7 +177,7 @@ class LoadTarget:
                 if not hasattr(md, "size"):
                     self.flat[key] = _Placeholder()
                     entry[k] = key
-                elif tuple(md.size) == tuple(s.shape) and len(md.size) > 0:
+                elif tuple(md.size) == tuple(s.shape) and (len(md.size) > 0 or k != "step"):  # 0-dim params too
                     buf = torch.zeros(mp.shape, dtype=md.properties.dtype, device=mp.device)
                     self.flat[key] = _slice(buf, s, view.rank)
                     entry[k] = buf
@@ -204,10 +211,11 @@ class LoadTarget:
         inner, self._matched = self.view.inner, []
         for g, group in enumerate(inner.param_groups):
             names = [s.name for s in self.view.groups[g]]
-            match = [h for h in saved.values() if names and names[0] in (h.get("params") or [])]
+            match = [h for h in saved.values() if set(h.get("params") or []) == set(names)]
             if not match:
-                raise ValueError(f"The checkpoint has no param group with the parameter {names[:1]}; was it saved "
-                                 "from this model and optimizer?")
+                raise ValueError(f"The checkpoint has no param group of exactly the parameters of group {g} here "
+                                 f"({names[:3]}{' ...' if len(names) > 3 else ''}): it groups them another way. "
+                                 "Build the param groups as in the job that saved it.")
             keys = lambda d: set(d) - _OPTIONAL  # noqa: E731
             if keys(match[0]) != keys(group):
                 raise ValueError(
