@@ -72,7 +72,8 @@ def exchange(scope, name, value=None, failure=None, what=""):
     """Every rank's `value`, in rank order; raises on every rank when any rank failed."""
     mine = ("error", f"{type(failure).__name__}: {failure}") if failure is not None else ("ok", value)
     everyone = allgather_object(mine, name=name, process_set=scope.process_set)
-    errors = [f"rank {i}: {v}" for i, (tag, v) in enumerate(everyone) if tag == "error"]
+    ranks = scope.process_set.ranks if scope.process_set is not None else range(len(everyone))  # the job's ranks
+    errors = [f"rank {r}: {v}" for r, (tag, v) in zip(ranks, everyone) if tag == "error"]
     if errors:
         raise RuntimeError(f"{what} failed on {len(errors)} rank(s), so no rank goes on: " + "; ".join(errors)) \
             from failure
