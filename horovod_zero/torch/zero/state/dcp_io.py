@@ -142,10 +142,6 @@ def missing_files(path, metadata):
     return [f for f in files if not os.path.isfile(os.path.join(path, f))]
 
 
-def broadcast_mark(mark, scope, tag):
-    return broadcast_object(mark, root_rank=scope.root, name=tag, process_set=scope.process_set)
-
-
 def read_metadata(path, scope, tag):
     """The checkpoint's metadata on every rank (read once, by the first rank), after it
     checked that every file the metadata names is there."""

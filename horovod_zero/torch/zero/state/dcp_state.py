@@ -121,10 +121,9 @@ class LoadTarget:
     def _check_and_plan_model(self):
         view, saved = self.view, self._saved_model()
         index = {p: i for i, p in enumerate(view.params)}
-        wanted, aliases = {}, set()
+        wanted, aliases, seen = {}, set(), set()
         if self._model is not None:
             params = dict(self._model.named_parameters(remove_duplicate=False))
-            seen = set()
             for name, t in self._model.state_dict(keep_vars=True).items():
                 i = index.get(params.get(name))
                 if i is None:
@@ -134,11 +133,8 @@ class LoadTarget:
                 else:
                     seen.add(i)
                     wanted[name] = (i, tuple(view.shards[i].shape))
-            seen_all = seen
-        else:
-            seen_all = set()
         for s in view.shards:  # every trained parameter, also one a custom state_dict() leaves out
-            if s.index not in seen_all:
+            if s.index not in seen:
                 wanted[s.name] = (s.index, tuple(s.shape))
         missing = [n for n in wanted if n not in saved]
         unexpected = [n for n in saved if n not in wanted and n not in aliases]

@@ -13,6 +13,7 @@ import shutil
 import threading
 import uuid
 
+from horovod_zero.torch.objects import broadcast_object
 from horovod_zero.torch.zero.state import dcp_io, dcp_state
 
 SAVING, OLD = ".saving", ".old"
@@ -53,7 +54,7 @@ def _clear_staging(path, scope, tag):
         except Exception as e:  # every rank must hear of it
             failure = e
     dcp_io.announce(scope, f"{tag}.staging", failure, f"Preparing {path + SAVING!r} for the checkpoint failed")
-    return dcp_io.broadcast_mark(mark, scope, f"{tag}.mark")
+    return broadcast_object(mark, root_rank=scope.root, name=f"{tag}.mark", process_set=scope.process_set)
 
 
 def _check_mark(path, mark):
