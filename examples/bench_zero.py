@@ -9,6 +9,8 @@ max_memory_allocated over ranks. Gradients are reduced in bf16 by every system u
     torchrun --nproc_per_node=8 examples/bench_zero.py --micro-batch 4
     torchrun --nproc_per_node=8 examples/bench_zero.py --modes fsdp2+reshard,zero3,deepspeed3 --extras ""
     torchrun --nproc_per_node=2 examples/bench_zero.py --tiny     # smoke test, CPU too (no DeepSpeed)
+    torchrun --nproc_per_node=2 examples/bench_zero.py --micro-batch 1 --breakdown --modes fsdp2+reshard,zero3
+    torchrun --nproc_per_node=4 examples/bench_zero.py --model 8b --micro-batch 1 --adam fused --modes fsdp2+reshard,zero3
     torchrun --nproc_per_node=4 examples/bench_zero.py --sim-nodes 2 --modes zero3,zero3+hybrid,fsdp2+reshard,fsdp2+hsdp
 
 A mode may carry environment settings for its optimizer: zero3@HOROVOD_ZERO_PREFETCH=2.
@@ -21,13 +23,25 @@ this torch, and its line says so.
 real nodes) for hybrid sharding: zero2+hybrid and zero3+hybrid (shard_group="node") and
 FSDP2's HSDP (fsdp2+hsdp: a (nodes, local) mesh, reshard_after_forward=True). Their lines give
 the bytes each step sent in the node sets, the cross-node sets and the global set.
+--adam picks AdamW's kernel for every system alike: foreach or fused; by default each
+system keeps its own (torch's is foreach on CUDA, horovod_zero's is fused: HOROVOD_ZERO_FUSED_STEP).
+--breakdown first measures the compute floor (forward and backward of the same model in bf16
+on each GPU alone: no communication, no optimizer step), then splits each mode's step into
+the floor's GPU time, compute above it, the optimizer step, exposed communication and GPU
+idle time (the host on the critical path), from a profile of three more steps
+(examples/step_breakdown.py); averages over ranks. --jsonl appends every line as a row of
+docs/benchmarks/results.jsonl's form (commit from $HVDZ_COMMIT).
 """
 
 import argparse
 import contextlib
 import gc
+import datetime
 import importlib.util
+import json
 import os
+import shlex
+import sys
 import time
 
 import torch
@@ -36,7 +50,12 @@ import torch.nn.functional as F
 
 import horovod_zero.torch as hvd
 from bench_timing import median_time, sync
-from llama_model import LLAMA_1B, TINY, Decoder
+from llama_model import LLAMA_1B, LLAMA_3B, LLAMA_8B, TINY, Decoder
+from step_breakdown import OPTIMIZER_MARK, busy, profile_parts
+
+MODELS = {"tiny": (TINY, "tiny"), "1b": (LLAMA_1B, "Llama-3.2-1B-shaped"),
+          "3b": (LLAMA_3B, "Llama-3.2-3B-shaped"), "8b": (LLAMA_8B, "Llama-3.1-8B-shaped")}
+ADAM_KERNELS = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 
 
 def max_gib(nbytes, name):
@@ -63,8 +82,10 @@ def run_steps(step_fn, steps, warmup=3):
 
 
 def build(cfg, dev):
+    """The model, initialized on the device: an 8B model's fp32 init on the host takes minutes."""
     torch.manual_seed(0)
-    return Decoder(**cfg).to(dev)
+    with torch.device(dev):
+        return Decoder(**cfg)
 
 
 def profile_steps(step_fn, path, steps=3):
@@ -103,7 +124,7 @@ def phase_peaks(forward, backward, update):
     return out
 
 
-def fsdp2(model, reshard, reduce_dtype, hsdp=False):
+def fsdp2(model, reshard, reduce_dtype, adam, hsdp=False):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
     mesh = None
@@ -114,17 +135,54 @@ def fsdp2(model, reshard, reduce_dtype, hsdp=False):
     for b in model.blocks:
         fully_shard(b, reshard_after_forward=reshard, mp_policy=mp, mesh=mesh)
     fully_shard(model, reshard_after_forward=reshard, mp_policy=mp, mesh=mesh)
-    return torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, **adam)
 
 
-def deepspeed3(model, micro, reduce_dtype):
-    """DeepSpeed ZeRO-3 with torch's AdamW (no extension build), bf16 parameters and the
-    gradient reduction in reduce_dtype."""
+def mean_over_ranks(values):
+    keys = sorted(values)
+    got = hvd.allreduce(torch.tensor([values[k] for k in keys], dtype=torch.float64), op=hvd.Average,
+                        name="bench.mean")
+    return dict(zip(keys, got.tolist()))
+
+
+def bench_floor(cfg, micro, steps, dev, compiled, ac):
+    """The compute floor: forward and backward of the same model with bf16 parameters, on
+    each GPU alone (no communication, no optimizer step). (median step s, peak GiB, GPU busy s)."""
+    release_memory()
+    torch._dynamo.reset()
+    model = build(cfg, dev).to(torch.bfloat16)
+    model.ac = ac
+    if compiled:
+        for b in model.blocks:
+            b.compile()
+    x, y = batch(cfg, micro, dev)
+
+    def step():
+        F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()).backward()
+        for p in model.parameters():
+            p.grad = None
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    t = run_steps(step, steps)
+    peak = peak_gib()
+    parts = mean_over_ranks(profile_parts(step, 3, sync))
+    return t, peak, busy(parts)
+
+
+def batch(cfg, micro, dev):
+    g = torch.Generator(device="cpu").manual_seed(hvd.rank())
+    ids = torch.randint(0, cfg["vocab"], (micro, cfg["seq"] + 1), generator=g).to(dev)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def deepspeed3(model, micro, reduce_dtype, adam):
+    """DeepSpeed ZeRO-3 with torch's AdamW (no extension build; the kernel as --adam says),
+    bf16 parameters and the gradient reduction in reduce_dtype."""
     import deepspeed  # pip install deepspeed
     config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
               "bf16": {"enabled": True},
               "communication_data_type": "bf16" if reduce_dtype == torch.bfloat16 else "fp32",
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1, "torch_adam": True}},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1, "torch_adam": True, **adam}},
               "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True}}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
@@ -173,13 +231,14 @@ def model_flags(mode, compile_all=False, ac_all=False):
 
 
 def bench_mode(mode, cfg, micro, steps, dev, profile_dir=None, profile_modes=(), phases=False,
-               reduce_dtype=torch.bfloat16, compiled=False, ac=False):
+               reduce_dtype=torch.bfloat16, compiled=False, ac=False, adam=None, breakdown=False):
     with mode_env(mode) as base:
         return _bench_mode(base, cfg, micro, steps, dev, profile_dir, profile_modes, phases, reduce_dtype,
-                           compiled, ac)
+                           compiled, ac, adam or {}, breakdown)
 
 
-def _bench_mode(mode, cfg, micro, steps, dev, profile_dir, profile_modes, phases, reduce_dtype, compiled, ac):
+def _bench_mode(mode, cfg, micro, steps, dev, profile_dir, profile_modes, phases, reduce_dtype, compiled, ac, adam,
+                breakdown):
     release_memory()
     torch._dynamo.reset()  # each mode compiles its own blocks: none reuses another's code
     model = build(cfg, dev)
@@ -187,21 +246,19 @@ def _bench_mode(mode, cfg, micro, steps, dev, profile_dir, profile_modes, phases
     if compiled:
         for b in model.blocks:
             b.compile()
-    g = torch.Generator(device="cpu").manual_seed(hvd.rank())
-    ids = torch.randint(0, cfg["vocab"], (micro, cfg["seq"] + 1), generator=g).to(dev)
-    x, y = ids[:, :-1], ids[:, 1:]
+    x, y = batch(cfg, micro, dev)
     amp = torch.autocast(dev.type, dtype=torch.bfloat16) if mode == "ddp" else contextlib.nullcontext()
     net = model
     if mode == "ddp":
         net = torch.nn.parallel.DistributedDataParallel(model)
-        opt = torch.optim.AdamW(net.parameters(), lr=1e-4, weight_decay=0.1)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-4, weight_decay=0.1, **adam)
     elif mode in ("fsdp2", "fsdp2+reshard", "fsdp2+hsdp"):
-        opt = fsdp2(model, mode != "fsdp2", reduce_dtype, hsdp=mode == "fsdp2+hsdp")
+        opt = fsdp2(model, mode != "fsdp2", reduce_dtype, adam, hsdp=mode == "fsdp2+hsdp")
     elif mode == "deepspeed3":
-        net = opt = deepspeed3(model, micro, reduce_dtype)  # the engine steps and zeroes
+        net = opt = deepspeed3(model, micro, reduce_dtype, adam)  # the engine steps and zeroes
     else:  # zero1, zero2, zero2+overlap (the allgather overlapped with the next forward), zero3, +hybrid
         stage = int(mode.split("+")[0][-1])
-        opt = hvd.DistributedZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1),
+        opt = hvd.DistributedZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, **adam),
                                            model=model, stage=stage, param_dtype=torch.bfloat16,
                                            overlap_param_gather=mode.endswith("+overlap"),
                                            shard_group="node" if mode.endswith("+hybrid") else None,
@@ -216,9 +273,10 @@ def _bench_mode(mode, cfg, micro, steps, dev, profile_dir, profile_modes, phases
         net.backward(loss) if mode == "deepspeed3" else loss.backward()
 
     def update():
-        opt.step()
-        if mode != "deepspeed3":
-            opt.zero_grad()
+        with torch.profiler.record_function(OPTIMIZER_MARK):  # its kernels are the optimizer step's
+            opt.step()
+            if mode != "deepspeed3":
+                opt.zero_grad()
 
     def step():
         backward(forward())
@@ -230,7 +288,9 @@ def _bench_mode(mode, cfg, micro, steps, dev, profile_dir, profile_modes, phases
     hvd.collective_stats(reset=True)
     t = run_steps(step, steps)
     links = bytes_by_set(hvd.collective_stats(), opt, steps + 3) if mode.startswith("zero") else None
-    out = (t, micro * cfg["seq"] / t, peak_gib(), phase_peaks(forward, backward, update) if phases else None, links)
+    parts = mean_over_ranks(profile_parts(step, 3, sync)) if breakdown else None
+    out = (t, micro * cfg["seq"] / t, peak_gib(), phase_peaks(forward, backward, update) if phases else None, links,
+           parts)
     if profile_dir and mode in profile_modes:  # every rank steps; rank 0 writes
         profile_steps(step, os.path.join(profile_dir, f"profile_{mode.replace('+', '_')}.txt") if hvd.rank() == 0 else None)
     del model, opt, net
@@ -266,7 +326,7 @@ def bench_downcast(cfg, micro, steps, dev):
     for mode in ("1", "0"):
         os.environ["HOROVOD_ZERO_DOWNCAST"] = mode
         hvd.collective_stats(reset=True)
-        t, _, _, _, _ = bench_mode("zero2", cfg, micro, steps, dev)
+        t = bench_mode("zero2", cfg, micro, steps, dev)[0]
         gathered = sum(s["bytes"] for s in hvd.collective_stats() if s["op"] == "allgather")
         rows.append((mode, t, gathered / (steps + 3)))
     os.environ.pop("HOROVOD_ZERO_DOWNCAST", None)
@@ -304,14 +364,67 @@ def simulate_nodes(nodes):
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(node * local + i) for i in range(local))
 
 
+SYSTEMS = {"ddp": "DDP", "fsdp2": "FSDP2", "fsdp2+reshard": "FSDP2 reshard", "fsdp2+hsdp": "FSDP2 HSDP",
+           "deepspeed3": "DeepSpeed ZeRO-3"}
+
+
+def result_row(args, cfg, mode, settings, metrics):
+    """One line of docs/benchmarks/results.jsonl."""
+    base = mode.split("@")[0]
+    system = SYSTEMS.get(base) or (f"horovod_zero stage {base[4]}" if base.startswith("zero") else base)
+    with torch.device("meta"):
+        n = sum(p.numel() for p in Decoder(**cfg).parameters())
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    settings = dict(model=f"{MODELS[args.model][1]} decoder ({n / 1e9:.2f} B)", seq=cfg["seq"],
+                    micro_batch=args.micro_batch, gpus=hvd.size(), mode=mode, param_dtype="bf16",
+                    reduce_dtype=args.reduce_dtype, adam=args.adam, **settings)
+    if "+overlap" in base:
+        settings["overlap_param_gather"] = True
+    if "+hybrid" in base:
+        settings.update(shard_group="node", sim_nodes=args.sim_nodes)
+    if "@" in mode:
+        settings["env"] = mode.split("@", 1)[1]
+    return dict(date=datetime.date.today().isoformat(), commit=os.environ.get("HVDZ_COMMIT"),
+                machine=f"{hvd.size()} x {gpu}", benchmark="bench_zero",
+                command=f"torchrun --nproc_per_node={hvd.size()} examples/bench_zero.py {shlex.join(command_args())}",
+                system=system, settings=settings, note=None,
+                metrics={k: round(v, 3) if v == v else None for k, v in metrics.items()})  # NaN: not measured
+
+
+def command_args():
+    """The command line without --jsonl and its path (where the rows went)."""
+    argv, out = sys.argv[1:], []
+    while argv:
+        a = argv.pop(0)
+        if a == "--jsonl":
+            argv.pop(0)
+        elif not a.startswith("--jsonl="):
+            out.append(a)
+    return out
+
+
+def breakdown_parts(t, parts, floor_busy):
+    """A step's disjoint parts in ms, adding up to its median time t: the floor's GPU time,
+    compute above it, the optimizer step, exposed communication, and GPU idle (t less all
+    GPU busy time: the host on the critical path); hidden communication apart."""
+    return {"floor_gpu_ms": floor_busy * 1e3, "compute_above_floor_ms": (parts["compute"] - floor_busy) * 1e3,
+            "optimizer_ms": parts["optimizer"] * 1e3, "exposed_comm_ms": parts["exposed"] * 1e3,
+            "gpu_idle_ms": (t - busy(parts)) * 1e3, "hidden_comm_ms": parts["hidden"] * 1e3}
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tiny", action="store_true", help="a tiny model: a smoke test that runs on CPU too")
+    ap.add_argument("--model", choices=sorted(MODELS), default="1b")
+    ap.add_argument("--tiny", action="store_true", help="--model tiny: a smoke test that runs on CPU too")
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--modes", default="ddp,fsdp2,zero1,zero2,zero2+overlap,fsdp2+reshard,zero3,deepspeed3")
     ap.add_argument("--reduce-dtype", choices=("bf16", "fp32"), default="bf16",
                     help="FSDP2's and DeepSpeed's gradient reduction dtype")
+    ap.add_argument("--adam", choices=sorted(ADAM_KERNELS), default="default",
+                    help="AdamW's kernel for every system (default: each system's own)")
+    ap.add_argument("--breakdown", action="store_true", help="the floor, and each step split into its parts (CUDA)")
+    ap.add_argument("--jsonl", default="", help="append the results here, one JSON row per line (rank 0)")
     ap.add_argument("--extras", default="coalescing,downcast,init")
     ap.add_argument("--phases", action="store_true", help="peak memory per phase of one extra step")
     ap.add_argument("--profile", default="", help="modes to profile after timing (e.g. zero2,fsdp2)")
@@ -320,19 +433,33 @@ def main():
     ap.add_argument("--compile", action="store_true", help="compile each block (block.compile()), every mode")
     ap.add_argument("--ac", action="store_true", help="activation checkpointing per block, every mode")
     args = ap.parse_args()
+    if args.tiny:
+        args.model = "tiny"
     if args.sim_nodes:
         simulate_nodes(args.sim_nodes)
     hvd.init()
     dev = hvd.device()
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+    elif args.breakdown:
+        raise SystemExit("--breakdown needs CUDA: it splits the GPU's timeline")
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
                             device_id=dev if dev.type == "cuda" else None)
-    cfg = TINY if args.tiny else LLAMA_1B
+    cfg, model_name = MODELS[args.model]
+    adam = ADAM_KERNELS[args.adam]
     lines = [f"== bench_zero: {hvd.size()} ranks, {torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}, "
-             f"{'tiny' if args.tiny else 'Llama-3.2-1B-shaped'} model, micro-batch {args.micro_batch}, "
-             f"seq {cfg['seq']}, FSDP2/DeepSpeed reduce in {args.reduce_dtype}"]
+             f"{model_name} model, micro-batch {args.micro_batch}, seq {cfg['seq']}, "
+             f"FSDP2/DeepSpeed reduce in {args.reduce_dtype}, AdamW kernel: {args.adam}"]
+    rows = []
     reduce_dtype = torch.bfloat16 if args.reduce_dtype == "bf16" else torch.float32
+    floor_busy = None
+    if args.breakdown:
+        t, peak, floor_busy = bench_floor(cfg, args.micro_batch, args.steps, dev, args.compile, args.ac)
+        lines.append(f"{'floor (1 GPU, fwd+bwd)':22s} step {t*1e3:9.1f} ms  GPU busy {floor_busy*1e3:.1f} ms  "
+                     f"peak {peak:6.2f} GiB")
+        rows.append(result_row(args, cfg, "floor", dict(compile=args.compile, ac=args.ac),
+                               dict(step_ms=t * 1e3, peak_gib=peak, gpu_busy_ms=floor_busy * 1e3)))
+        rows[-1]["system"] = "compute floor"
     for mode in args.modes.split(","):
         base, compiled, ac = model_flags(mode.split("@")[0], args.compile, args.ac)
         label = f"{base}{'@' + mode.split('@', 1)[1] if '@' in mode else ''}{'+compile' if compiled else ''}" \
@@ -342,8 +469,9 @@ def main():
             continue
         run = base + mode[len(mode.split("@")[0]):]  # the mode's @settings, without +compile/+ac
         try:
-            t, tok, peak, phases, links = bench_mode(run, cfg, args.micro_batch, args.steps, dev, args.profile_dir,
-                                                     args.profile.split(","), args.phases, reduce_dtype, compiled, ac)
+            t, tok, peak, phases, links, parts = bench_mode(run, cfg, args.micro_batch, args.steps, dev,
+                                                            args.profile_dir, args.profile.split(","), args.phases,
+                                                            reduce_dtype, compiled, ac, adam, args.breakdown)
         except Exception as e:  # noqa: BLE001 - a peer that cannot run this setting: say so, go on
             lines.append(f"{label:22s} failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
             release_memory()
@@ -353,11 +481,19 @@ def main():
         note = "  (blocks eager: not compilable under DeepSpeed ZeRO-3)" if base == "deepspeed3" and \
             (args.compile or "compile" in mode.split("+")) else ""
         lines.append(f"{label:22s} step {t*1e3:9.1f} ms  {tok:10.0f} tokens/s/GPU  peak {peak:6.2f} GiB{wire}{note}")
+        metrics = dict(step_ms=t * 1e3, tokens_per_s_per_gpu=tok, peak_gib=peak)
         if phases:
             lines.append("    " + ", ".join(f"{ph} peak {pk:.2f} held {held:.2f}" for ph, pk, held in phases))
+        if parts:
+            b = breakdown_parts(t, parts, floor_busy)
+            metrics.update(b)
+            lines.append(f"    = floor {b['floor_gpu_ms']:.1f} + compute above it {b['compute_above_floor_ms']:.1f} "
+                         f"+ optimizer step {b['optimizer_ms']:.1f} + exposed comm {b['exposed_comm_ms']:.1f} "
+                         f"+ GPU idle {b['gpu_idle_ms']:.1f} ms; comm hidden under compute {b['hidden_comm_ms']:.1f} ms")
+        rows.append(result_row(args, cfg, run, dict(compile=compiled, ac=ac), metrics))
     extras = args.extras.split(",") if args.extras else []
     if "coalescing" in extras:
-        width, layers = (64, 2) if args.tiny else (4096, 8)
+        width, layers = (64, 2) if args.model == "tiny" else (4096, 8)
         for coalesce, t, tensors, calls in bench_coalescing(dev, width, layers, 4, args.steps):
             lines.append(f"coalescing={coalesce!s:5s} MLP {layers}x{width}, 4 passes: step {t*1e3:8.1f} ms, "
                          f"{tensors:.0f} tensors reduce-scattered in {calls:.1f} fused collectives per step")
@@ -369,6 +505,9 @@ def main():
             lines.append(f"wrap time (flatten, shard, master copies), {path} path: {t*1e3:.1f} ms")
     if hvd.rank() == 0:
         print("\n".join(lines), flush=True)
+        if args.jsonl:
+            with open(args.jsonl, "a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
     dist.destroy_process_group()
     hvd.shutdown()
 

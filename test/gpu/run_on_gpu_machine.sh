@@ -49,7 +49,8 @@ if [ "${BENCH:-1}" = 1 ]; then
   timeout 120 python3 -m torch.distributed.run --nproc_per_node="$GPUS" --master_port="$port" \
     examples/bench_latency.py 2>&1 | grep -v "^W1\|OMP_NUM" | tee "$OUT/latency.log" | tail -6
 fi
-# ZeRO benchmark runs, ';'-separated argument lists for examples/bench_zero.py.
+# ZeRO benchmark runs, ';'-separated argument lists for examples/bench_zero.py; their
+# results also as rows in $OUT/bench_zero.jsonl (HVDZ_COMMIT names the commit in them).
 IFS=';' read -ra zero_runs <<< "${ZERO_BENCH:-}"
 if [ "${#zero_runs[@]}" -gt 0 ] && [ -f build/deps/deepspeed/VERSION ]; then
   source test/gpu/deepspeed_env.sh || echo "DeepSpeed not set up: its modes are skipped"
@@ -58,7 +59,7 @@ for i in "${!zero_runs[@]}"; do
   port=$(free_port)
   PYTHONPATH="$ROOT/examples:$PYTHONPATH" timeout "${ZERO_BENCH_TIMEOUT:-300}" \
     python3 -m torch.distributed.run --nproc_per_node="$GPUS" --master_port="$port" \
-    examples/bench_zero.py ${zero_runs[$i]} 2>&1 | grep -v "^W1\|OMP_NUM" | tee "$OUT/bench_zero_$i.log" | tail -14
+    examples/bench_zero.py ${zero_runs[$i]} --jsonl "$OUT/bench_zero.jsonl" 2>&1 | grep -v "^W1\|OMP_NUM" | tee "$OUT/bench_zero_$i.log" | tail -14
 done
 if [ "${CPU_ONLY_BUILD:-0}" = 1 ]; then
   t0=$(date +%s)
