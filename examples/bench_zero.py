@@ -231,14 +231,14 @@ def model_flags(mode, compile_all=False, ac_all=False):
 
 
 def bench_mode(mode, cfg, micro, steps, dev, profile_dir=None, profile_modes=(), phases=False,
-               reduce_dtype=torch.bfloat16, compiled=False, ac=False, adam=None, breakdown=False):
+               reduce_dtype=torch.bfloat16, compiled=False, ac=False, adam=None, breakdown=False, trace_dir=None):
     with mode_env(mode) as base:
         return _bench_mode(base, cfg, micro, steps, dev, profile_dir, profile_modes, phases, reduce_dtype,
-                           compiled, ac, adam or {}, breakdown)
+                           compiled, ac, adam or {}, breakdown, trace_dir)
 
 
 def _bench_mode(mode, cfg, micro, steps, dev, profile_dir, profile_modes, phases, reduce_dtype, compiled, ac, adam,
-                breakdown):
+                breakdown, trace_dir):
     release_memory()
     torch._dynamo.reset()  # each mode compiles its own blocks: none reuses another's code
     model = build(cfg, dev)
@@ -288,7 +288,8 @@ def _bench_mode(mode, cfg, micro, steps, dev, profile_dir, profile_modes, phases
     hvd.collective_stats(reset=True)
     t = run_steps(step, steps)
     links = bytes_by_set(hvd.collective_stats(), opt, steps + 3) if mode.startswith("zero") else None
-    parts = mean_over_ranks(profile_parts(step, 3, sync)) if breakdown else None
+    keep = os.path.join(trace_dir, f"trace_{mode.replace('+', '_')}.json.gz") if trace_dir and hvd.rank() == 0 else None
+    parts = mean_over_ranks(profile_parts(step, 3, sync, keep)) if breakdown else None
     out = (t, micro * cfg["seq"] / t, peak_gib(), phase_peaks(forward, backward, update) if phases else None, links,
            parts)
     if profile_dir and mode in profile_modes:  # every rank steps; rank 0 writes
@@ -424,6 +425,7 @@ def main():
     ap.add_argument("--adam", choices=sorted(ADAM_KERNELS), default="default",
                     help="AdamW's kernel for every system (default: each system's own)")
     ap.add_argument("--breakdown", action="store_true", help="the floor, and each step split into its parts (CUDA)")
+    ap.add_argument("--trace-dir", default="", help="with --breakdown: keep rank 0's traces here, gzipped")
     ap.add_argument("--jsonl", default="", help="append the results here, one JSON row per line (rank 0)")
     ap.add_argument("--extras", default="coalescing,downcast,init")
     ap.add_argument("--phases", action="store_true", help="peak memory per phase of one extra step")
@@ -435,6 +437,8 @@ def main():
     args = ap.parse_args()
     if args.tiny:
         args.model = "tiny"
+    if args.trace_dir:
+        os.makedirs(args.trace_dir, exist_ok=True)
     if args.sim_nodes:
         simulate_nodes(args.sim_nodes)
     hvd.init()
@@ -471,7 +475,8 @@ def main():
         try:
             t, tok, peak, phases, links, parts = bench_mode(run, cfg, args.micro_batch, args.steps, dev,
                                                             args.profile_dir, args.profile.split(","), args.phases,
-                                                            reduce_dtype, compiled, ac, adam, args.breakdown)
+                                                            reduce_dtype, compiled, ac, adam, args.breakdown,
+                                                            args.trace_dir)
         except Exception as e:  # noqa: BLE001 - a peer that cannot run this setting: say so, go on
             lines.append(f"{label:22s} failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
             release_memory()

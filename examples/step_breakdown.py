@@ -11,6 +11,7 @@ into disjoint parts that add up to the step.
 running beside communication and ZeRO's own kernels (casts, copies, recompute) costs.
 """
 
+import gzip
 import json
 import os
 import tempfile
@@ -78,9 +79,10 @@ def partition(intervals):
     return out
 
 
-def profile_parts(step_fn, steps, sync):
+def profile_parts(step_fn, steps, sync, keep=None):
     """partition() of `steps` calls of step_fn (each followed by sync(), as the timing
-    does), per step, in seconds. Every rank profiles; the trace stays in a temporary file."""
+    does), per step, in seconds. Every rank profiles; the trace is kept gzipped at `keep`
+    when given (chrome://tracing and Perfetto read it)."""
     sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
@@ -90,8 +92,12 @@ def profile_parts(step_fn, steps, sync):
     os.close(fd)
     try:
         prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
+        with open(path, "rb") as f:
+            raw = f.read()
+        if keep:
+            with gzip.open(keep, "wb") as f:
+                f.write(raw)
+        events = json.loads(raw)["traceEvents"]
     finally:
         os.unlink(path)
     parts = partition(kernel_intervals(events))
