@@ -14,6 +14,7 @@ running beside communication and ZeRO's own kernels (casts, copies, recompute) c
 import gzip
 import json
 import os
+import time
 import tempfile
 
 from torch.profiler import ProfilerActivity, profile
@@ -81,13 +82,17 @@ def partition(intervals):
 
 def profile_parts(step_fn, steps, sync, keep=None):
     """partition() of `steps` calls of step_fn (each followed by sync(), as the timing
-    does), per step, in seconds. Every rank profiles; the trace is kept gzipped at `keep`
+    does), and their wall time ("wall"), per step, in seconds. The profiler slows the host
+    (most where the host sets the pace), so the parts add up to the profiled wall time,
+    not to an unprofiled step's. Every rank profiles; the trace is kept gzipped at `keep`
     when given (chrome://tracing and Perfetto read it)."""
-    sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        sync()
+        t0 = time.perf_counter()
         for _ in range(steps):
             step_fn()
             sync()
+        wall = time.perf_counter() - t0
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
@@ -100,8 +105,9 @@ def profile_parts(step_fn, steps, sync, keep=None):
         events = json.loads(raw)["traceEvents"]
     finally:
         os.unlink(path)
-    parts = partition(kernel_intervals(events))
-    return {k: v / steps / 1e6 for k, v in parts.items()}
+    parts = {k: v / steps / 1e6 for k, v in partition(kernel_intervals(events)).items()}
+    parts["wall"] = wall / steps
+    return parts
 
 
 def busy(parts):
