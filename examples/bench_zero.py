@@ -375,7 +375,7 @@ def result_row(args, cfg, mode, settings, metrics):
     system = SYSTEMS.get(base) or (f"horovod_zero stage {base[4]}" if base.startswith("zero") else base)
     with torch.device("meta"):
         n = sum(p.numel() for p in Decoder(**cfg).parameters())
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    gpu = torch.cuda.get_device_name().removeprefix("NVIDIA ") if torch.cuda.is_available() else "cpu"
     settings = dict(model=f"{MODELS[args.model][1]} decoder ({n / 1e9:.2f} B)", seq=cfg["seq"],
                     micro_batch=args.micro_batch, gpus=hvd.size(), mode=mode, param_dtype="bf16",
                     reduce_dtype=args.reduce_dtype, adam=args.adam, **settings)

@@ -63,7 +63,9 @@ def newest_zero_runs(rows):
     """{(machine, gpus, micro_batch): rows} of the newest eager run per setting that has FSDP2 in it."""
     eager = [r for r in rows if r["benchmark"] == "bench_zero" and r["commit"]
              and r["settings"].get("micro_batch") and r["settings"].get("gpus", 1) > 1
+             and r["settings"]["model"].startswith("Llama-3.2-1B")
              and not r["settings"].get("compile") and not r["settings"].get("ac")
+             and r["settings"].get("adam", "default") == "default"  # each system's own AdamW kernel
              and not any(k in r["settings"] for k in ("env", "extra", "sim_nodes"))]
     runs = OrderedDict()
     for r in eager:
@@ -184,9 +186,57 @@ def compile_ac(rows):
     save(fig, "compile_ac.svg")
 
 
+PARTS = [("floor_gpu_ms", "compute floor (fwd+bwd alone)", "#d9d9d9"),
+         ("compute_above_floor_ms", "compute above the floor", "#f2b134"),
+         ("optimizer_ms", "optimizer step", "#7b5ea7"),
+         ("exposed_comm_ms", "exposed communication", "#c0504d"),
+         ("gpu_idle_ms", "GPU idle (host on the critical path)", "#4f81bd")]
+
+
+def breakdown(rows):
+    """The step breakdown (bench_zero.py --breakdown) as stacked bars: the newest run per
+    model, micro-batch and AdamW kernel; a tick marks each system's unprofiled median step."""
+    split = [r for r in rows if r["benchmark"] == "bench_zero" and r["commit"] and "env" not in r["settings"]
+             and "gpu_idle_ms" in r["metrics"]]
+    runs = OrderedDict()
+    for r in split:
+        s = r["settings"]
+        runs.setdefault((s["model"], s["micro_batch"], s.get("adam")), OrderedDict())[run_key(r)] = True
+    panels = []
+    for (model, mb, adam), keys in runs.items():
+        key = list(keys)[-1]
+        run = [r for r in rows if run_key(r) == key and "env" not in r["settings"]]
+        panels.append((model, mb, adam, [r for r in run if "gpu_idle_ms" in r["metrics"]],
+                       next((r for r in run if r["system"] == "compute floor"), None)))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.8), squeeze=False)
+    for ax, (model, mb, adam, bars, floor) in zip(axes[0], panels):
+        for x, r in enumerate(bars):
+            bottom = 0.0
+            for key, label, colour in PARTS:
+                v = r["metrics"][key]
+                ax.bar(x, v, 0.6, bottom=bottom, color=colour, label=label)
+                bottom += v
+            ax.plot([x - 0.3, x + 0.3], [r["metrics"]["step_ms"]] * 2, color="black", lw=1.5,
+                    label="median step, unprofiled")
+        if floor:
+            ax.axhline(floor["metrics"]["step_ms"], color="grey", ls="--", lw=1, label="floor's median step")
+        ax.set_xticks(range(len(bars)), [short_name(r) for r in bars], fontsize=8)
+        ax.set_title(f"{model.split(' decoder')[0]}, micro-batch {mb}, AdamW {adam}\n"
+                     f"{bars[0]['machine']}, {when(bars[0])}", fontsize=8.5)
+        ax.set_ylabel("ms per profiled step")
+        ax.grid(axis="y", alpha=0.3)
+    handles = dict(zip(*axes[0][0].get_legend_handles_labels()[::-1]))
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.suptitle("examples/bench_zero.py --breakdown: where a step's time goes (the profiler slows the host, "
+                 "so the bars exceed the unprofiled step by the idle it adds)", fontsize=9)
+    fig.tight_layout(rect=(0, 0.1, 1, 0.94))
+    save(fig, "breakdown.svg")
+
+
 if __name__ == "__main__":
     data = load()
     step_time(data)
     peak_memory(data)
     offload(data)
     compile_ac(data)
+    breakdown(data)
