@@ -152,7 +152,8 @@ def offload(rows):
 
 def compile_ac(rows):
     """Compiled blocks and activation checkpointing: the newest run per micro-batch that compares compiled against eager."""
-    zero = [r for r in rows if r["benchmark"] == "bench_zero" and r["commit"] and "env" not in r["settings"]]
+    zero = [r for r in rows if r["benchmark"] == "bench_zero" and r["commit"] and "env" not in r["settings"]
+            and r["settings"].get("adam", "default") == "default"]
     runs = OrderedDict()
     for r in zero:
         runs.setdefault(run_key(r) + (r["settings"].get("micro_batch"),), []).append(r)
