@@ -1,7 +1,7 @@
 """Where a training step's time goes, from a profile of a few steps: the GPU timeline cut
 into disjoint parts that add up to the step.
 
-    optimizer   some kernel launched by optimizer.step() runs
+    optimizer   some kernel launched by optimizer.step() (or zero_grad()) runs
     compute     another non-communication kernel (or copy) runs, and no optimizer one
     exposed     only communication kernels run: nothing hides them
     idle        nothing runs: the GPU waits for the host (hooks, launches, waits, syncs)
@@ -14,8 +14,8 @@ running beside communication and ZeRO's own kernels (casts, copies, recompute) c
 import gzip
 import json
 import os
-import time
 import tempfile
+import time
 
 from torch.profiler import ProfilerActivity, profile
 
