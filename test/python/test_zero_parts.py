@@ -483,33 +483,41 @@ def test_reducer_master_grads_are_this_ranks_shard_of_the_rank_average_times_uns
             assert out["in_block"] == (0, 0), "nothing is reduced inside a coalesce() block"
 
 
-def _outputs_alive_at_each_take(eager):
-    """How many earlier shards' reduced outputs are still alive each time the sink takes
-    one, in finish(): none, so they are freed as they are taken and never all exist beside
-    the fp32 gradients the sink makes (the update's memory peak at stage 2)."""
+def _outputs_alive_at_each_take(eager, take_bytes):
+    """For each batch the sink takes in finish(): how many earlier batches' reduced outputs
+    are still alive, and the batch's size. None are alive: they are freed as they are taken
+    and never all exist beside the fp32 gradients the sink makes (the update's memory peak
+    at stage 2), while one batch lets the sink cast many shards at once."""
     import weakref
     st, params, _ = _build()
     sink = MasterGrads(st)
     taken, alive = [], []
-    take = sink.take_grad
+    take = sink.take_grads
 
-    def recording(s, outs, early, local=False):
-        alive.append(sum(r() is not None for r in taken))
-        taken.extend(weakref.ref(o) for o in outs)
-        return take(s, outs, early, local)
-    sink.take_grad = recording
+    def recording(items):
+        if items:
+            alive.append((sum(r() is not None for r in taken), len(items)))
+        taken.extend(weakref.ref(o) for _, outs, _ in items for o in outs)
+        return take(items)
+    sink.take_grads = recording
     # Reduced in bf16: the sink makes an fp32 copy (an fp32 output would be the .grad itself).
     red = GradReducer(st, sink, eager, 1, torch.bfloat16, 1)
+    red.TAKE_BYTES = take_bytes
     red.extend(len(params))
     _backward(params, red, 0, eager)
     red.finish(1.0)
-    return alive
+    assert all(p.grad is None for p in params)
+    return alive, [m.grad.dtype for m in st.master_params if m.grad is not None]
 
 
 @pytest.mark.parametrize("eager", [True, False], ids=["stage2", "stage1"])
 def test_reducer_frees_each_shards_outputs_as_the_sink_takes_them(ranks, eager):
-    for alive in ranks.run(_outputs_alive_at_each_take, eager):
-        assert len(alive) == 3 and alive == [0, 0, 0], alive  # parameters 0-2 had gradients somewhere
+    # parameters 0-2 had gradients somewhere: one batch each, or all three in one
+    for (alive, dtypes), (batched, _) in zip(ranks.run(_outputs_alive_at_each_take, eager, 1),
+                                             ranks.run(_outputs_alive_at_each_take, eager, 1 << 30)):
+        assert alive == [(0, 1)] * 3, alive
+        assert batched == [(0, 3)], batched
+        assert dtypes == [torch.float32] * 3, dtypes
 
 
 def _everywhere(rank, i):

@@ -3,7 +3,7 @@ Each collaborator is given to its user's constructor; nothing sets a part's fiel
 after it is built. Two implementations of each: the device's (core/) and offload's
 (offload/)."""
 
-from typing import ContextManager, Iterable, List, Optional, Protocol, Sequence
+from typing import ContextManager, Iterable, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -26,6 +26,10 @@ class GradSink(Protocol):
 
     def take_grad(self, s: ParamShard, outs: List[torch.Tensor], early: bool, local: bool = False) -> None:
         """Shard s's reductions of this step are done: `outs` are their outputs."""
+
+    def take_grads(self, items: List[Tuple[ParamShard, List[torch.Tensor], bool]]) -> None:
+        """take_grad(s, outs, early=False, local) of each (s, outs, local), at step(): the
+        sink may batch their work."""
 
     def no_grad(self, s: ParamShard) -> None:
         """No rank had a gradient for shard s this step."""

@@ -28,6 +28,7 @@ from horovod_zero.torch.basics import _core
 
 
 class GradReducer:
+    TAKE_BYTES = 64 << 20  # reduced outputs handed to the sink at once in finish()
     def __init__(self, storage, sink, eager, backward_passes_per_step, reduce_dtype, bucket_bytes):
         self._storage = storage
         self._groups = storage.groups
@@ -210,14 +211,22 @@ class GradReducer:
             self._groups.average_replicas(items)
             outputs.update((s.index, [t]) for s, t in items)
             del items  # the outputs hold them now, freed one by one below
+        # Popped, and handed over TAKE_BYTES at a time: the reduced outputs (param_dtype) are
+        # freed as the sink takes them (MasterGrads makes fp32 .grad), so the two never all
+        # exist at once, and the sink still casts many shards in one kernel.
+        batch, size = [], 0
         for (s, _), flag in zip(trained, had):
-            # Popped: each shard's reduced outputs (param_dtype) are freed as the sink takes
-            # them (MasterGrads makes fp32 .grad), so the two never all exist at once.
             outs = outputs.pop(s.index)
             if not flag:
                 self._sink.no_grad(s)  # no rank had a gradient: the inner optimizer skips it, as torch would
             elif s.index not in self._sunk or len(outs) > 1:
-                self._sink.take_grad(s, outs, early=False, local=self._had_grad.get(s.index, False))
+                batch.append((s, outs, self._had_grad.get(s.index, False)))
+                size += sum(o.numel() * o.element_size() for o in outs)
+                if size >= self.TAKE_BYTES:
+                    self._sink.take_grads(batch)
+                    batch, size = [], 0
+        self._sink.take_grads(batch)
+        del batch
         self._reset()
         self._reduced = True
 

@@ -36,6 +36,26 @@ class MasterGrads:
             g.mul_(self._unscale)  # in fp32: the scaled fp16 values are exact, the unscaled ones may not be
         master.grad = g
 
+    def take_grads(self, items):
+        """The single bf16/fp16 reductions cast to fp32 by one foreach copy: one kernel for
+        many shards instead of one each (146 kernels, 2.2 ms a step for a 1.2B model on an
+        H200); the rest one by one."""
+        cast = []
+        for s, outs, local in items:
+            master = self._st.master_params[s.index]
+            if len(outs) == 1 and outs[0].dtype != torch.float32 and outs[0].device == master.device:
+                cast.append((master, outs[0]))
+            else:
+                self.take_grad(s, outs, early=False, local=local)
+        if not cast:
+            return
+        grads = [torch.empty_like(o, dtype=torch.float32) for _, o in cast]
+        torch._foreach_copy_(grads, [o for _, o in cast])
+        if self._unscale != 1.0:
+            torch._foreach_mul_(grads, self._unscale)  # in fp32, as take_grad()
+        for (master, _), g in zip(cast, grads):
+            master.grad = g
+
     def no_grad(self, s):
         # grad None: the inner optimizer skips the parameter (no weight decay, no momentum).
         self._st.master_params[s.index].grad = None

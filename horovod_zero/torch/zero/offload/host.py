@@ -110,6 +110,10 @@ class HostOffload:
         self.stats["d2h_bytes"] += out.numel() * out.element_size()
         self.grads[s.index] = buf
 
+    def take_grads(self, items):
+        for s, outs, local in items:  # each shard's copy to the host starts at once
+            self.take_grad(s, outs, local=local)
+
     def no_grad(self, s):
         self.grads[s.index] = None
 

@@ -120,6 +120,10 @@ class OverlapSink:
         """Whether backward has begun since the last step(), on every rank alike."""
         return self._hyper is not None
 
+    def take_grads(self, items):
+        for s, outs, local in items:
+            self.take_grad(s, outs, early=False, local=local)
+
     def no_grad(self, s):
         self.host.no_grad(s)
 
