@@ -29,6 +29,7 @@ from horovod_zero.torch.basics import _core
 
 class GradReducer:
     TAKE_BYTES = 64 << 20  # reduced outputs handed to the sink at once in finish()
+
     def __init__(self, storage, sink, eager, backward_passes_per_step, reduce_dtype, bucket_bytes):
         self._storage = storage
         self._groups = storage.groups
@@ -226,7 +227,6 @@ class GradReducer:
                     self._sink.take_grads(batch)
                     batch, size = [], 0
         self._sink.take_grads(batch)
-        del batch
         self._reset()
         self._reduced = True
 
