@@ -29,14 +29,15 @@ system keeps its own (torch's is foreach on CUDA, horovod_zero's is fused: HOROV
 on each GPU alone: no communication, no optimizer step), then profiles three more steps of
 each mode and splits their wall time into the floor's GPU time, compute above it, the
 optimizer step, exposed communication and GPU idle time (the host on the critical path;
-the profiler inflates it) (examples/step_breakdown.py); averages over ranks. --jsonl appends every line as a row of
-docs/benchmarks/results.jsonl's form (commit from $HVDZ_COMMIT).
+the profiler inflates it) (examples/step_breakdown.py); averages over ranks. --jsonl
+appends every line as a row of docs/benchmarks/results.jsonl's form (commit from
+$HVDZ_COMMIT).
 """
 
 import argparse
 import contextlib
-import gc
 import datetime
+import gc
 import importlib.util
 import json
 import os
@@ -81,11 +82,17 @@ def run_steps(step_fn, steps, warmup=3):
     return median_time(step_fn, steps, warmup)
 
 
-def build(cfg, dev):
-    """The model, initialized on the device: an 8B model's fp32 init on the host takes minutes."""
+def build(cfg, dev, compiled=False, ac=False):
+    """The model, initialized on the device (an 8B model's fp32 init on the host takes
+    minutes), its blocks compiled and recomputed as asked."""
     torch.manual_seed(0)
     with torch.device(dev):
-        return Decoder(**cfg)
+        model = Decoder(**cfg)
+    model.ac = ac
+    if compiled:
+        for b in model.blocks:
+            b.compile()
+    return model
 
 
 def profile_steps(step_fn, path, steps=3):
@@ -150,11 +157,7 @@ def bench_floor(cfg, micro, steps, dev, compiled, ac):
     each GPU alone (no communication, no optimizer step). (median step s, peak GiB, GPU busy s)."""
     release_memory()
     torch._dynamo.reset()
-    model = build(cfg, dev).to(torch.bfloat16)
-    model.ac = ac
-    if compiled:
-        for b in model.blocks:
-            b.compile()
+    model = build(cfg, dev, compiled, ac).to(torch.bfloat16)
     x, y = batch(cfg, micro, dev)
 
     def step():
@@ -241,11 +244,7 @@ def _bench_mode(mode, cfg, micro, steps, dev, profile_dir, profile_modes, phases
                 breakdown, trace_dir):
     release_memory()
     torch._dynamo.reset()  # each mode compiles its own blocks: none reuses another's code
-    model = build(cfg, dev)
-    model.ac = ac
-    if compiled:
-        for b in model.blocks:
-            b.compile()
+    model = build(cfg, dev, compiled, ac)
     x, y = batch(cfg, micro, dev)
     amp = torch.autocast(dev.type, dtype=torch.bfloat16) if mode == "ddp" else contextlib.nullcontext()
     net = model
@@ -365,7 +364,7 @@ def simulate_nodes(nodes):
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(node * local + i) for i in range(local))
 
 
-SYSTEMS = {"ddp": "DDP", "fsdp2": "FSDP2", "fsdp2+reshard": "FSDP2 reshard", "fsdp2+hsdp": "FSDP2 HSDP",
+SYSTEMS = {"floor": "compute floor", "ddp": "DDP", "fsdp2": "FSDP2", "fsdp2+reshard": "FSDP2 reshard", "fsdp2+hsdp": "FSDP2 HSDP",
            "deepspeed3": "DeepSpeed ZeRO-3"}
 
 
@@ -464,7 +463,6 @@ def main():
                      f"peak {peak:6.2f} GiB")
         rows.append(result_row(args, cfg, "floor", dict(compile=args.compile, ac=args.ac),
                                dict(step_ms=t * 1e3, peak_gib=peak, gpu_busy_ms=floor_busy * 1e3)))
-        rows[-1]["system"] = "compute floor"
     for mode in args.modes.split(","):
         base, compiled, ac = model_flags(mode.split("@")[0], args.compile, args.ac)
         label = f"{base}{'@' + mode.split('@', 1)[1] if '@' in mode else ''}{'+compile' if compiled else ''}" \
@@ -493,8 +491,8 @@ def main():
         if parts:
             b = breakdown_parts(parts, floor_busy)
             metrics.update(b)
-            lines.append(f"    profiled step {b['profiled_step_ms']:.1f} ms = floor {b['floor_gpu_ms']:.1f} + compute above it {b['compute_above_floor_ms']:.1f} "
-                         f"+ optimizer step {b['optimizer_ms']:.1f} + exposed comm {b['exposed_comm_ms']:.1f} "
+            lines.append(f"    profiled step {b['profiled_step_ms']:.1f} ms = floor {b['floor_gpu_ms']:.1f} "
+                         f"+ compute above it {b['compute_above_floor_ms']:.1f} + optimizer step {b['optimizer_ms']:.1f} + exposed comm {b['exposed_comm_ms']:.1f} "
                          f"+ GPU idle {b['gpu_idle_ms']:.1f} ms; comm hidden under compute {b['hidden_comm_ms']:.1f} ms")
         rows.append(result_row(args, cfg, run, dict(compile=compiled, ac=ac), metrics))
     extras = args.extras.split(",") if args.extras else []
