@@ -149,6 +149,12 @@ VARIABLES = (
     Variable("HOROVOD_ZERO_EXACT_GRADIENTS", "exact_gradients", "job", _Bool(), False,
              "1: the collectives' gradients are the exact gradients of the sum of every rank's loss; "
              "0: Horovod's gradients"),
+    Variable("HOROVOD_ELASTIC", "elastic", "job", _Bool(), False,
+             "set by horovodrun's elastic mode: after hvd.shutdown(), hvd.init() asks the launcher for this "
+             "process's new rank and size (see hvd.elastic)"),
+    Variable("HOROVOD_ELASTIC_TIMEOUT", "elastic_timeout_seconds", "job", _Number(float, 1), 600.0,
+             "elastic: seconds a re-init waits for the launcher to form the next job (horovodrun's "
+             "--elastic-timeout reads it too)"),
     Variable("HOROVOD_ZERO_BUCKET_BYTES", "bucket_bytes", "zero", _Number(int, 0), 32 * _MiB,
              "ZeRO stage 2: gradient bytes gathered before one grouped reduce-scatter; 0: one per gradient"),
     Variable("HOROVOD_ZERO_DOWNCAST", "downcast", "zero", _Bool(), True,
@@ -193,6 +199,8 @@ class Settings:
     shm_control: bool
     dynamic_process_sets: bool
     exact_gradients: bool
+    elastic: bool
+    elastic_timeout_seconds: float
 
 
 def _values(rows, env) -> dict:

@@ -8,6 +8,7 @@ import threading
 import torch
 
 from horovod_zero import settings as _settings
+from horovod_zero.runner.elastic import take_next_slot
 from horovod_zero.runner.rendezvous import make_gloo_backend, make_store, shm_control_name
 from horovod_zero.runner.world import World, detect_world
 
@@ -26,6 +27,7 @@ class _State:
         self.store = None
         self.generation = 0
         self.exact_gradients = False  # HOROVOD_ZERO_EXACT_GRADIENTS, see autograd.py
+        self.elastic = False  # HOROVOD_ELASTIC: horovodrun's elastic driver runs the job
         self.homogeneous = True  # every node runs the same number of ranks
         # What process sets' transports are built with (job.py), and the sets.
         self.shm_name = ""
@@ -52,9 +54,15 @@ def _all_local_sizes_equal(backend, world: World) -> bool:
 
 def _start(config):
     """The store, the job's Gloo group and the runtime, into _state."""
+    if config.elastic and _state.generation > 0:
+        # A re-init of an elastic job: this process's place in the job that forms now.
+        # The driver gives up after the elastic timeout and says why: this process waits longer.
+        take_next_slot(config.elastic_timeout_seconds + config.transport_timeout_seconds)
     world = detect_world()
     timeout = config.transport_timeout_seconds
-    store = make_store(world, _state.generation, timeout)
+    # The elastic driver clears its rendezvous keys whenever it forms a job, and workers it
+    # starts then begin at generation 0: every worker of the new job uses the same keys.
+    store = make_store(world, 0 if config.elastic else _state.generation, timeout)
     backend = make_gloo_backend(store, world, timeout, config.gloo_iface)
     homogeneous = _all_local_sizes_equal(backend, world)
     shm_name = shm_control_name(store, world, config.shm_control)
@@ -64,6 +72,7 @@ def _start(config):
     )
     _state.world, _state.store, _state.backend, _state.runtime = world, store, backend, runtime
     _state.exact_gradients, _state.homogeneous = config.exact_gradients, homogeneous
+    _state.elastic = config.elastic
     _state.shm_name, _state.transport_timeout_seconds, _state.gloo_iface = shm_name, timeout, config.gloo_iface
     _state.generation += 1
 

@@ -1,0 +1,78 @@
+"""Run by test_elastic.py under horovodrun's elastic mode: trains a small model with
+hvd.DistributedOptimizer under hvd.elastic.run, committing after every step. Step t uses
+global batch t, split evenly over the ranks of the moment, so the result does not depend
+on how many ranks took each step. Variables:
+  ELASTIC_STEPS      steps to train;
+  ELASTIC_KILL_HOST  the worker of this host (HOROVOD_HOSTNAME) SIGKILLs itself in the
+                     middle of step ELASTIC_KILL_AT (after backward, before step());
+  ELASTIC_ADD_HOST   a line rank 0 appends to ELASTIC_HOSTS_FILE (the discovery
+                     script's output) after step ELASTIC_ADD_AT;
+  ELASTIC_OUT        a folder: rank 0 writes the final weights there (final.pt) and every
+                     rank logs the size each step ran at (sizes.<pid>)."""
+
+import os
+import signal
+import time
+
+import torch
+import torch.nn.functional as F
+
+import horovod_zero.torch as hvd
+
+BATCH = 6  # every size the tests reach (1, 2, 3) divides it
+
+
+def global_batch(t):
+    g = torch.Generator().manual_seed(1000 + t)
+    return torch.randn(BATCH, 4, generator=g), torch.randn(BATCH, 3, generator=g)
+
+
+def make_model():
+    torch.manual_seed(0)  # every rank alike; a joining worker gets rank 0's values anyway
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def make_optimizer(model):
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def main():
+    hvd.init()
+    steps = int(os.environ["ELASTIC_STEPS"])
+    out = os.environ["ELASTIC_OUT"]
+    host = os.environ.get("HOROVOD_HOSTNAME", "")
+    kill_at = int(os.environ.get("ELASTIC_KILL_AT", "-1")) if host == os.environ.get("ELASTIC_KILL_HOST") else -1
+    model = make_model()
+    opt = hvd.DistributedOptimizer(make_optimizer(model), named_parameters=model.named_parameters())
+    state = hvd.elastic.TorchState(model, opt, step=0)
+    log = open(os.path.join(out, f"sizes.{os.getpid()}"), "a")
+
+    @hvd.elastic.run
+    def train(state):
+        while state.step < steps:
+            t = state.step
+            x, y = global_batch(t)
+            n = BATCH // hvd.size()
+            rows = slice(hvd.rank() * n, (hvd.rank() + 1) * n)
+            opt.zero_grad()
+            F.mse_loss(model(x[rows]), y[rows]).backward()
+            if t == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)  # mid-step: the others wait for its gradients
+            opt.step()
+            log.write(f"{t} {hvd.size()}\n")
+            log.flush()
+            state.step += 1
+            if hvd.rank() == 0 and t == int(os.environ.get("ELASTIC_ADD_AT", "-1")):
+                with open(os.environ["ELASTIC_HOSTS_FILE"], "a") as f:
+                    f.write(os.environ["ELASTIC_ADD_HOST"] + "\n")
+            time.sleep(float(os.environ.get("ELASTIC_STEP_SLEEP", "0")))  # time for the launcher to notice
+            state.commit()
+
+    train(state)
+    if hvd.rank() == 0:
+        torch.save(model.state_dict(), os.path.join(out, "final.pt"))
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
