@@ -8,7 +8,10 @@ on how many ranks took each step. Variables:
   ELASTIC_ADD_HOST   a line rank 0 appends to ELASTIC_HOSTS_FILE (the discovery
                      script's output) after step ELASTIC_ADD_AT;
   ELASTIC_OUT        a folder: rank 0 writes the final weights there (final.pt) and every
-                     rank logs the size each step ran at (sizes.<pid>)."""
+                     rank logs the size each step ran at (sizes.<pid>);
+  ELASTIC_ZERO       "" (hvd.DistributedOptimizer over SGD with momentum), or a
+                     DistributedZeroOptimizer over AdamW: "1", "2", "3" (the stage), with
+                     "-offload" (offload_optimizer="cpu") or "-hybrid" (shard_group="node")."""
 
 import os
 import signal
@@ -19,7 +22,7 @@ import torch.nn.functional as F
 
 import horovod_zero.torch as hvd
 
-BATCH = 6  # every size the tests reach (1, 2, 3) divides it
+BATCH = 12  # every size the tests reach (1 to 4) divides it
 
 
 def global_batch(t):
@@ -32,8 +35,19 @@ def make_model():
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
 
 
-def make_optimizer(model):
+def make_optimizer(model, zero=""):
+    if zero:
+        return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
     return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def wrap(model, zero):
+    if not zero:
+        return hvd.DistributedOptimizer(make_optimizer(model), named_parameters=model.named_parameters())
+    stage, _, extra = zero.partition("-")
+    return hvd.DistributedZeroOptimizer(make_optimizer(model, zero), model=model, stage=int(stage),
+                                        offload_optimizer="cpu" if extra == "offload" else None,
+                                        shard_group="node" if extra == "hybrid" else None)
 
 
 def main():
@@ -42,8 +56,9 @@ def main():
     out = os.environ["ELASTIC_OUT"]
     host = os.environ.get("HOROVOD_HOSTNAME", "")
     kill_at = int(os.environ.get("ELASTIC_KILL_AT", "-1")) if host == os.environ.get("ELASTIC_KILL_HOST") else -1
+    zero = os.environ.get("ELASTIC_ZERO", "")
     model = make_model()
-    opt = hvd.DistributedOptimizer(make_optimizer(model), named_parameters=model.named_parameters())
+    opt = wrap(model, zero)
     state = hvd.elastic.TorchState(model, opt, step=0)
     log = open(os.path.join(out, f"sizes.{os.getpid()}"), "a")
 
@@ -69,8 +84,13 @@ def main():
             state.commit()
 
     train(state)
+    if zero.startswith("3"):
+        with opt.gathered_params():
+            weights = {k: v.clone() for k, v in model.state_dict().items()}
+    else:
+        weights = model.state_dict()
     if hvd.rank() == 0:
-        torch.save(model.state_dict(), os.path.join(out, "final.pt"))
+        torch.save(weights, os.path.join(out, "final.pt"))
     hvd.shutdown()
 
 

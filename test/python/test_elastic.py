@@ -126,20 +126,65 @@ def test_a_host_update_interrupts_every_rank_at_the_same_commit():
     assert res == {0: ("ok", "interrupt skip_sync=False"), 1: ("ok", "interrupt skip_sync=False")}
 
 
-def _zero_optimizer_refused():
+def _zero_over_a_process_set_refused():
     import horovod_zero.torch as hvd
+    pair = hvd.ProcessSet([0, 1])
+    hvd.init(process_sets=[pair])
+    msg = None
+    if pair.included():
+        model = torch.nn.Linear(3, 2)
+        opt = hvd.DistributedZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, stage=1,
+                                           process_set=pair)
+        try:
+            hvd.elastic.TorchState(model, opt)
+        except ValueError as e:
+            msg = str(e)
+    hvd.barrier()
+    return msg
+
+
+def test_torch_state_refuses_a_zero_optimizer_over_a_process_set():
+    res = launch(_zero_over_a_process_set_refused, 3)
+    for r in (0, 1):
+        status, msg = res[r]
+        assert status == "ok" and "process_set=" in msg, msg
+
+
+def _lost_shards(gone, numbers):
+    """4 ranks commit a ZeRO-2 state; then the ranks in `gone` restore as if they had none
+    (as new workers), and each rank claims commit numbers[rank]."""
+    import horovod_zero.torch as hvd
+    from horovod_zero.torch.zero.state import replicas
     hvd.init()
-    model = torch.nn.Linear(3, 2)
-    opt = hvd.DistributedZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, stage=1)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    opt = hvd.DistributedZeroOptimizer(torch.optim.AdamW(model.parameters()), model=model, stage=2)
+    model(torch.ones(2, 5)).sum().backward()
+    opt.step()
+    commit = replicas.take(opt.sharded_state, model, 1)
+    commit.number = numbers[hvd.rank()]
     try:
-        hvd.elastic.TorchState(model, opt)
-    except ValueError as e:
+        replicas.restore(None if hvd.rank() in gone else commit, opt.sharded_state, model)
+        return "restored"
+    except RuntimeError as e:
         return str(e)
 
 
-def test_torch_state_refuses_a_zero_optimizer_saying_what_to_do():
-    (status, msg), = launch(_zero_optimizer_refused, 1).values()
-    assert status == "ok" and "DistributedZeroOptimizer" in msg and "load_checkpoint" in msg, msg
+def test_losing_both_copies_of_a_shard_fails_on_every_rank_naming_it():
+    # One node: rank r's copy is on rank r + 1, so losing ranks 0 and 1 loses rank 0's shards
+    # (rank 1's copy lives on rank 2).
+    res = launch(_lost_shards, 4, (0, 1), [1] * 4)
+    assert {r: s for r, (s, _) in res.items()} == {r: "ok" for r in range(4)}
+    msgs = {m for _, m in res.values()}
+    assert len(msgs) == 1 and "ranks [0] of the previous job's 4 are lost" in msgs.pop()
+    res = launch(_lost_shards, 4, (1,), [1] * 4)  # one loss: its copy is on rank 2
+    assert {m for _, m in res.values()} == {"restored"}
+
+
+def test_ranks_holding_different_commits_refuse_to_restore():
+    res = launch(_lost_shards, 4, (), [1, 1, 2, 1])
+    msgs = {m for _, m in res.values()}
+    assert len(msgs) == 1 and "different commits ([1, 2])" in msgs.pop()
 
 
 # --- ElasticSampler --------------------------------------------------------------
@@ -195,10 +240,10 @@ def _elastic_job(tmp_path, hosts, np_, min_np, max_np, timeout=150, **env):
     return p, out, sizes
 
 
-def _reference(steps):
+def _reference(steps, zero=""):
     """The same training in one process, on each step's whole batch."""
     model = elastic_train.make_model()
-    opt = elastic_train.make_optimizer(model)
+    opt = elastic_train.make_optimizer(model, zero)
     for t in range(steps):
         x, y = elastic_train.global_batch(t)
         opt.zero_grad()
@@ -207,9 +252,9 @@ def _reference(steps):
     return model.state_dict()
 
 
-def _assert_trained_like_reference(out, steps):
+def _assert_trained_like_reference(out, steps, zero=""):
     got = torch.load(out / "final.pt")
-    for k, v in _reference(steps).items():
+    for k, v in _reference(steps, zero).items():
         torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
 
 
@@ -242,3 +287,30 @@ def test_below_min_np_the_job_ends_with_the_drivers_message(tmp_path):
                            HOROVOD_GLOO_TIMEOUT_SECONDS="10")
     assert p.returncode != 0
     assert "enough resources to run at least 2 Horovod processes" in p.stdout + p.stderr, p.stderr[-3000:]
+
+
+TWO_HOSTS = ["localhost:2", "127.0.0.1:1"]  # SIGKILL on 127.0.0.1: 3 ranks -> 2
+HOST_PAIRS = ["localhost:2", "127.0.0.1:2"]  # the kill blacklists 127.0.0.1, so both its ranks leave: 4 -> 2
+
+
+@pytest.mark.parametrize("hosts,zero", [(TWO_HOSTS, "1"), (TWO_HOSTS, "2"), (TWO_HOSTS, "3"),
+                                        (TWO_HOSTS, "2-offload"), (TWO_HOSTS, "3-offload"),
+                                        (HOST_PAIRS, "3"), (HOST_PAIRS, "2-hybrid")])
+def test_zero_lost_ranks_the_others_reshard_from_their_shards_and_copies(tmp_path, hosts, zero):
+    # The dead ranks' shards come from their copies on the other host (with hybrid sharding,
+    # from the other node's replicas), and every parameter is split anew over 2 ranks.
+    n = sum(int(h.split(":")[1]) for h in hosts)
+    p, out, sizes = _elastic_job(tmp_path, hosts, n, 2, n, ELASTIC_STEPS="10", ELASTIC_KILL_HOST="127.0.0.1",
+                                 ELASTIC_KILL_AT="4", ELASTIC_ZERO=zero)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert sizes == {t: {n} if t < 4 else {2} for t in range(10)}
+    _assert_trained_like_reference(out, 10, zero)
+
+
+def test_zero_a_host_added_receives_its_shards(tmp_path):
+    p, out, sizes = _elastic_job(tmp_path, ["localhost:2"], 2, 2, 3, ELASTIC_STEPS="24", ELASTIC_ADD_AT="2",
+                                 ELASTIC_ADD_HOST="127.0.0.1:1", ELASTIC_STEP_SLEEP="0.2", ELASTIC_ZERO="3")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    grown = min(t for t, n in sizes.items() if n == {3})
+    assert all(sizes[t] == ({2} if t < grown else {3}) for t in range(24)), sizes
+    _assert_trained_like_reference(out, 24, "3")

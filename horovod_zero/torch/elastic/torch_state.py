@@ -1,7 +1,9 @@
 """TorchState: a model, an optimizer, ElasticSamplers and plain values as one elastic
 state. A commit copies the model's and the optimizer's state_dict() to host memory;
 restore() loads them back; sync() broadcasts rank 0's parameters, optimizer state and
-sampler position, and the plain values, to every rank."""
+sampler position, and the plain values, to every rank. A DistributedZeroOptimizer's state
+is sharded: its commits keep each rank's shards and a copy of them on another rank, and a
+job of another size reshards them (zero/state/replicas.py)."""
 
 import torch
 
@@ -10,6 +12,7 @@ from horovod_zero.torch.elastic.state import ObjectState
 from horovod_zero.torch.functions import broadcast_optimizer_state, broadcast_parameters
 from horovod_zero.torch.objects import broadcast_object
 from horovod_zero.torch.zero import DistributedZeroOptimizer
+from horovod_zero.torch.zero.state import replicas
 from horovod_zero.torch.zero.state.dcp_state import staged  # a copy in host memory
 
 
@@ -52,15 +55,59 @@ class _SamplerHandler(_Handler):
         self.value.load_state_dict(broadcast_object(self.value.state_dict()))  # re-partitions for hvd.size()
 
 
-def _handler(value):
+class _ZeroHandler:
+    """A DistributedZeroOptimizer, and its model: a commit keeps this rank's shards and a copy
+    of another rank's (zero/state/replicas.py). After a reset the optimizer is sharded for
+    the new job (reset()), and sync() loads the commit into it, or, at the job's start,
+    takes the first one."""
+
+    def __init__(self, value):
+        self.value = value
+        self._commit = None
+        self._number = 0  # commits so far: names each commit's collectives alike on every rank
+
+    def save(self):
+        view = self.value.sharded_state
+        commit = replicas.take(view, view.model, self._number + 1)
+        self._commit, self._number = commit, commit.number  # the last one is kept until this one is whole
+
+    def restore(self):
+        pass  # the reset that follows shards the optimizer for the new job, and sync() loads the commit
+
+    def reset(self):
+        self.value._rejoin()
+
+    def sync(self):
+        view = self.value.sharded_state
+        number = replicas.restore(self._commit, view, view.model)
+        if number is None:
+            self.save()
+        else:
+            self._number = number
+            self.value.publish_loaded()
+
+
+class _Covered:
+    """A model whose state a DistributedZeroOptimizer's commits keep."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def save(self):
+        pass
+
+    restore = sync = save
+
+
+def _handler(value, zero_models):
     if isinstance(value, DistributedZeroOptimizer):
-        raise ValueError(
-            "TorchState does not keep a DistributedZeroOptimizer yet: its state is sharded, and a commit would have "
-            "to keep every rank's shards where a lost rank cannot take them along. Until it does, restart from a "
-            "sharded checkpoint: hvd.zero.save_checkpoint() every few steps, and hvd.zero.load_checkpoint() at the "
-            "start (any number of ranks), under torchrun --nnodes=MIN:MAX (docs/launch.md).")
+        if value.sharded_state.scope.process_set is not None:
+            raise ValueError("TorchState keeps a DistributedZeroOptimizer over every rank of the job; this one spans "
+                             "a process set (process_set=), whose ranks a reset renumbers. Build it without "
+                             "process_set=, or with shard_group='node' for sharding inside each node.")
+        return _ZeroHandler(value)
     if isinstance(value, torch.nn.Module):
-        return _ModelHandler(value)
+        return _Covered(value) if id(value) in zero_models else _ModelHandler(value)
     if isinstance(value, torch.optim.Optimizer):
         return _OptimizerHandler(value)
     if isinstance(value, ElasticSampler):
@@ -76,9 +123,10 @@ class TorchState(ObjectState):
 
     def __init__(self, model=None, optimizer=None, **kwargs):
         kwargs.update(model=model, optimizer=optimizer)
+        zero_models = {id(v.sharded_state.model) for v in kwargs.values() if isinstance(v, DistributedZeroOptimizer)}
         handlers = {}
         for k in list(kwargs):
-            h = _handler(kwargs[k])
+            h = _handler(kwargs[k], zero_models)
             if h is not None:
                 handlers[k] = h
                 setattr(self, k, kwargs.pop(k))
@@ -99,6 +147,11 @@ class TorchState(ObjectState):
         for h in self._handlers.values():
             h.sync()
         super().sync()
+
+    def reset(self):
+        for h in self._handlers.values():
+            if hasattr(h, "reset"):
+                h.reset()
 
     def __setattr__(self, name, value):
         handlers = self.__dict__.get("_handlers", {})

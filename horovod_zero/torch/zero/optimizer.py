@@ -99,6 +99,16 @@ class DistributedZeroOptimizer:
                  reshard_root_after_forward=False, device=None, init_fn=None):
         if loss_scaler is None and param_dtype == torch.float16:
             loss_scaler = LossScaler()
+        named_parameters = list(named_parameters) if named_parameters is not None else None
+        # What _rejoin() builds with again, in a job of another size (hvd.elastic).
+        self._init_args = dict(
+            named_parameters=named_parameters, stage=stage, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+            backward_passes_per_step=backward_passes_per_step, loss_scaler=loss_scaler,
+            overlap_param_gather=overlap_param_gather, cast_forward_inputs=cast_forward_inputs, units=units,
+            reshard_after_forward=reshard_after_forward, offload_optimizer=offload_optimizer, nvme_path=nvme_path,
+            offload_params=offload_params, overlap_step=overlap_step, shard_group=shard_group,
+            process_set=process_set, reshard_root_after_forward=reshard_root_after_forward, device=device,
+            init_fn=init_fn)
         options = ZeroOptions.check(
             has_model=model is not None, stage=stage, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
             backward_passes_per_step=backward_passes_per_step, loss_scaling=loss_scaler is not None,
@@ -191,6 +201,23 @@ class DistributedZeroOptimizer:
             for p in params:
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(weak_hook(self, "_on_grad_ready")))
+
+    def _rejoin(self):
+        """hvd.elastic: after hvd.shutdown() and hvd.init() formed a new job (of any size),
+        shards the same parameters for it, as the constructor did; the elastic state then
+        loads the committed values (state/replicas.py). Nothing of the old job's runtime is
+        waited for: its handles died with it. Collective, like the constructor."""
+        _remove_all(self._hooks)
+        _remove_all(self._params.hooks)
+        model = self._model() if self._model is not None else None
+        st = self._storage
+        for group, shards in zip(self.optimizer.param_groups, st.plan):
+            group["params"] = [st.params[s.index] for s in shards]
+        self.optimizer.state.clear()
+        args = dict(self._init_args)
+        if self.stage == 3:  # the parameters hold no values at rest: made again unit by unit, as from meta
+            args.update(device=st.param_device, init_fn=meta_init.to_meta(model, st.params, st.shards))
+        self.__init__(self.optimizer, model, **args)
 
     def add_param_group(self, param_group):
         """Adds a param group, as torch.optim.Optimizer.add_param_group does, and shards

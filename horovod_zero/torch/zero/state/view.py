@@ -61,6 +61,12 @@ class ShardedStateView:
         return self._storage.params
 
     @property
+    def model(self) -> Optional[torch.nn.Module]:
+        """The model= the optimizer was given (None without one)."""
+        ref = self._opt()._model
+        return ref() if ref is not None else None
+
+    @property
     def inner(self) -> torch.optim.Optimizer:
         """The wrapped torch optimizer (its state is keyed by `masters`)."""
         return self._opt().optimizer

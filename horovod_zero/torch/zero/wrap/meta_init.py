@@ -143,3 +143,37 @@ def _post_order(model):
         out.append(m)
     visit(model)
     return out
+
+
+def to_meta(model, trained, shards):
+    """Turns a wrapped stage-3 model back into a meta model, so that MetaInit can make it
+    real again in a job of another size (DistributedZeroOptimizer._rejoin), and returns the
+    init_fn for that: the trained parameters become zeros (their committed values are
+    loaded after), frozen parameters and buffers get their values back."""
+    trained = {id(p): s for p, s in zip(trained, shards)}
+    kept = {}
+    for m in model.modules():
+        for name, p in m._parameters.items():
+            if p is None or p.is_meta:
+                continue  # a tied parameter, turned already
+            s = trained.get(id(p))
+            if s is None:
+                kept[(m, name)] = p.detach()  # shares the storage the swap leaves behind
+            shape = s.shape if s is not None else p.shape
+            meta = torch.nn.Parameter(torch.empty(shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+            torch.utils.swap_tensors(p, meta)
+        for name, b in m._buffers.items():
+            if b is not None and not b.is_meta:
+                kept[(m, name)] = b
+                m._buffers[name] = torch.empty_like(b, device="meta")
+
+    def init_fn(module):
+        with torch.no_grad():
+            for name, t in list(module._parameters.items()) + list(module._buffers.items()):
+                if t is None:
+                    continue
+                if (module, name) in kept:
+                    t.copy_(kept[(module, name)])
+                else:
+                    t.zero_()
+    return init_fn
