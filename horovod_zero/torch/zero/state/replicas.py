@@ -105,11 +105,13 @@ def take(view, model, number) -> Commit:
     with view.materialized():
         kinds, tensors, scalars = _state_of(view)
         layout = Layout(view.size, tuple(s.numel for s in view.shards), kinds)
+        # Gathered where the state lives: on a GPU the copy to the buddy goes over NCCL, and
+        # only then does the commit move to host memory.
+        device = view.masters[0].device if view.masters else torch.device("cpu")
         mine = {}
         for kind, dtype, indices in kinds:
             parts = [tensors[(kind, i)][:n] for i, n in zip(indices, _lengths(layout, view.rank, indices))]
-            flat = torch.cat(parts) if parts else torch.empty(0, dtype=dtype)
-            mine[kind] = flat.cpu() if flat.is_cuda else flat
+            mine[kind] = torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)
     scaler = view.loss_scaler
     objects = {"scalars": scalars, "groups": [{k: v for k, v in g.items() if k != "params"}
                                               for g in view.inner.param_groups],
@@ -128,6 +130,7 @@ def take(view, model, number) -> Commit:
             if count:
                 held[src] = _unpack(received[at:at + count], layout, src)
                 at += count
+    held[view.rank] = {k: t.cpu() if t.is_cuda else t for k, t in mine.items()}
     return Commit(number, view.rank, layout, held, objects)
 
 
@@ -136,7 +139,8 @@ def _unpack(raw, layout, src):
     for kind, dtype, indices in layout.kinds:
         count = sum(_lengths(layout, src, indices))
         nbytes = count * torch.empty(0, dtype=dtype).element_size()
-        out[kind] = raw[at:at + nbytes].view(dtype).clone()
+        chunk = raw[at:at + nbytes]
+        out[kind] = (chunk.cpu() if chunk.is_cuda else chunk.clone()).view(dtype)  # aligned for its dtype
         at += nbytes
     return out
 
@@ -221,6 +225,9 @@ def _exchange(kind, dtype, indices, layout, commit, provider, places, new_size, 
                 count += n
         splits.append(count)
     send = torch.cat(parts) if parts else torch.empty(0, dtype=dtype)
+    device = next(iter(targets.values())).device
+    if device.type == "cuda":
+        send = send.to(device)  # NCCL carries it, and it lands where the shards are
     received, _ = alltoall(send, splits=splits, name=f"zero.elastic.reshard.{kind}")
     at = 0
     for q in range(len(places)):
