@@ -11,6 +11,8 @@ OUT=${OUT:-/tmp/hvdz_out}; mkdir -p "$OUT"
 cd "$ROOT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 OUT
 export PYTHONPATH="$ROOT:$ROOT/examples${PYTHONPATH:+:$PYTHONPATH}"
+# Horovod's launcher, where test/gpu/horovod_deps.sh left it (the GPU machine has no network).
+if [ -d "$ROOT/build/deps/horovod_site" ]; then export PYTHONPATH="$PYTHONPATH:$ROOT/build/deps/horovod_site"; fi
 PY=${PYTHON:-python3}
 N=${NPROC:-$($PY -c 'import torch; print(torch.cuda.device_count() or 2)')}  # a worker per GPU
 names=()

@@ -5,7 +5,7 @@ rebuilds every shard from the survivors and reshards it for its new size, with n
 [Note: buddies]
 Rank r's copy goes to its buddy: the first rank after r on another node (the next rank when
 every rank is on one node), so that a lost node takes no shard's both copies. The copies
-travel in one alltoall at each commit. A rank's shards are, per parameter, its elements
+travel in one alltoall per kind of state at each commit, over NCCL when the shards are on GPUs. A rank's shards are, per parameter, its elements
 [r * n, (r + 1) * n) (core/plan.py) of the fp32 master and of each parameter-shaped
 optimizer state (Adam's two moments); state that is not (Adam's step) is the same on every
 rank and kept with the step count, the loss scaler, the hyperparameters and the model's
@@ -121,28 +121,19 @@ def take(view, model, number) -> Commit:
     if size() > 1 and view.size == size():
         # A node's first rank names the node: launchers place a node's ranks one after another.
         nodes = allgather_object(rank() - local_rank(), name=f"zero.elastic.nodes.{number}")
-        payload = torch.cat([mine[k].view(torch.uint8) for k, _, _ in kinds])
-        splits = [0] * size()
-        splits[_buddy(rank(), nodes)] = payload.numel()
-        received, counts = alltoall(payload, splits=splits, name=f"zero.elastic.commit.{number}")
-        at = 0
-        for src, count in enumerate(counts.tolist()):
-            if count:
-                held[src] = _unpack(received[at:at + count], layout, src)
-                at += count
+        buddy = _buddy(rank(), nodes)
+        for kind, dtype, indices in kinds:  # one alltoall per kind: each stays below 2**31 elements longer
+            splits = torch.zeros(size(), dtype=torch.int64)  # int64 counts back, too
+            splits[buddy] = mine[kind].numel()
+            received, counts = alltoall(mine[kind], splits=splits, name=f"zero.elastic.commit.{number}.{kind}")
+            at = 0
+            for src, count in enumerate(counts.tolist()):
+                if count:
+                    chunk = received[at:at + count]
+                    held.setdefault(src, {})[kind] = chunk.cpu() if chunk.is_cuda else chunk.clone()
+                    at += count
     held[view.rank] = {k: t.cpu() if t.is_cuda else t for k, t in mine.items()}
     return Commit(number, view.rank, layout, held, objects)
-
-
-def _unpack(raw, layout, src):
-    out, at = {}, 0
-    for kind, dtype, indices in layout.kinds:
-        count = sum(_lengths(layout, src, indices))
-        nbytes = count * torch.empty(0, dtype=dtype).element_size()
-        chunk = raw[at:at + nbytes]
-        out[kind] = (chunk.cpu() if chunk.is_cuda else chunk.clone()).view(dtype)  # aligned for its dtype
-        at += nbytes
-    return out
 
 
 def restore(commit, view, model):
@@ -228,7 +219,7 @@ def _exchange(kind, dtype, indices, layout, commit, provider, places, new_size, 
     device = next(iter(targets.values())).device
     if device.type == "cuda":
         send = send.to(device)  # NCCL carries it, and it lands where the shards are
-    received, _ = alltoall(send, splits=splits, name=f"zero.elastic.reshard.{kind}")
+    received, _ = alltoall(send, splits=torch.tensor(splits, dtype=torch.int64), name=f"zero.elastic.reshard.{kind}")
     at = 0
     for q in range(len(places)):
         for r in sorted(r for r, p in provider.items() if p == q):
