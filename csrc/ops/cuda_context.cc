@@ -103,6 +103,11 @@ void CudaContext::Finish(std::vector<TensorEntry> entries, const Status& s) {
   cv_.notify_one();
 }
 
+void CudaContext::Abort() {
+  std::lock_guard<std::mutex> lk(comm_mu_);
+  comm_->Abort();
+}
+
 Status CudaContext::WaitFor(const InFlight& f) {
   if (f.done == nullptr) return Status::OK();
   cudaSetDevice(comm_->device());
@@ -110,13 +115,19 @@ Status CudaContext::WaitFor(const InFlight& f) {
     cudaError_t q = cudaEventQuery(static_cast<cudaEvent_t>(f.done.get()));
     if (q == cudaSuccess) return Status::OK();
     if (q != cudaErrorNotReady) return CudaStatus(q, "cudaEventQuery");
+    std::unique_lock<std::mutex> comm_lock(comm_mu_);
+    if (comm_->aborted())
+      return Status::Aborted("NCCL collective for '" + f.entries.front().request.name +
+                             "' was cut short: a peer failed and this rank's communicator was aborted.");
     Status async = comm_->AsyncError();
     if (!async.ok()) {
       comm_->Abort();
       return async;
     }
+    comm_lock.unlock();
     const double waited_s = std::chrono::duration<double>(Clock::now() - f.launched).count();
     if (waited_s > timeout_s_) {
+      std::lock_guard<std::mutex> again(comm_mu_);
       comm_->Abort();
       return Status::Aborted("NCCL collective for '" + f.entries.front().request.name +
                              "' did not finish within HOROVOD_GLOO_TIMEOUT_SECONDS=" +

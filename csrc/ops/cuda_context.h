@@ -41,6 +41,7 @@ class CudaContext : public DeviceContext {
   // Every writer of an output (NCCL, or the copy-out stream after an event on it) is
   // ordered after earlier work on the NCCL stream.
   void* OutputStream() override { return comm_->stream(); }
+  void Abort() override;
 
  private:
   struct InFlight {
@@ -54,6 +55,9 @@ class CudaContext : public DeviceContext {
   void FinalizerLoop();
 
   std::unique_ptr<NcclCommunicator> comm_;
+  // Guards comm_'s error queries and its abort: Abort() comes from another thread
+  // than the finalizer's, and an aborted communicator must not be queried again.
+  std::mutex comm_mu_;
   Allocator& alloc_;
   double timeout_s_;
   int64_t copy_stream_bytes_;

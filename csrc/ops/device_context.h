@@ -34,6 +34,9 @@ class DeviceContext {
   virtual void Finish(std::vector<TensorEntry> entries, const Status& s) = 0;
   // The stream that first writes outputs the runtime allocates (CUDA); nullptr on CPU.
   virtual void* OutputStream() { return nullptr; }
+  // After a peer failed: ends work in flight instead of waiting for it (CUDA: aborts the
+  // communicator, so that the kernels waiting for the dead peer stop).
+  virtual void Abort() {}
 };
 
 // CPU tensors: Gloo for the collective, plain loops for copies, done when returned.

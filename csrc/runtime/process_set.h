@@ -99,6 +99,10 @@ class ProcessSet {
   void AddCuda(int device, std::unique_ptr<DeviceContext> ctx);
   // Drains and drops the CUDA contexts (in-flight work finishes first).
   void DropCuda() { cuda_ctx_.clear(); }
+  // After a peer failed: in-flight CUDA work is ended, not waited for (DropCuda then returns at once).
+  void AbortCuda() {
+    for (auto& kv : cuda_ctx_) kv.second->Abort();
+  }
 
  private:
   std::vector<int> world_ranks_;

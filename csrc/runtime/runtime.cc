@@ -53,6 +53,11 @@ void Runtime::Shutdown() {
   shutdown_requested_ = true;
   queue_.Wake();
   if (thread_.joinable()) thread_.join();
+  // After a communication failure, collectives in flight may wait for a dead peer until the
+  // transport timeout: they are aborted, so that shutdown() (and the peers waiting on this
+  // rank's transport) go on at once, as hvd.elastic's reset needs.
+  if (failed_)
+    for (auto& kv : sets_) kv.second->AbortCuda();
   for (auto& kv : sets_) kv.second->DropCuda();  // drains in-flight CUDA work before the communicators go
   timeline_.Close();
 }
@@ -262,6 +267,7 @@ void Runtime::Loop() {
     bool busy = false;
     Status s = RunCycles(queue_.PopNewRequests(), &busy, &result);
     if (!s.ok()) {
+      failed_ = true;
       HVDZ_LOG(logger_, kError) << "Negotiation failed: " << s.reason();
       stopped = Status::Aborted("horovod_zero stopped after a communication failure (a peer may have "
                                 "died or timed out after HOROVOD_GLOO_TIMEOUT_SECONDS=" +

@@ -143,6 +143,8 @@ class Runtime {
   std::atomic<int> cuda_device_{-2};  // the one CUDA device this process uses; -2: none yet
   std::atomic<int> join_device_{kCpuDevice};  // join()'s device for CUDA zeros
   std::atomic<bool> shutdown_requested_{false};
+  // The loop stopped on a communication failure (a peer died or timed out): Shutdown() aborts CUDA work.
+  std::atomic<bool> failed_{false};
   std::thread thread_;
 };
 

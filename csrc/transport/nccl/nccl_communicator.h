@@ -32,6 +32,7 @@ class NcclCommunicator : public Communicator {
   Status AsyncError();
   // Ends every pending NCCL call; the communicator is unusable afterwards.
   void Abort();
+  bool aborted() const { return aborted_; }
 
   Status Allreduce(void* buf, int64_t count, DataType dtype, ReduceOp op) override;
   Status Allgather(const void* in, void* out, int64_t count, DataType dtype) override;
