@@ -7,6 +7,7 @@ on how many ranks took each step. Variables:
                      middle of step ELASTIC_KILL_AT (after backward, before step());
   ELASTIC_ADD_HOST   a line rank 0 appends to ELASTIC_HOSTS_FILE (the discovery
                      script's output) after step ELASTIC_ADD_AT;
+  ELASTIC_DROP_HOST  a line rank 0 removes from it then instead;
   ELASTIC_OUT        a folder: rank 0 writes the final weights there (final.pt) and every
                      rank logs the size each step ran at (sizes.<pid>);
   ELASTIC_ZERO       "" (hvd.DistributedOptimizer over SGD with momentum), or a
@@ -78,8 +79,12 @@ def main():
             log.flush()
             state.step += 1
             if hvd.rank() == 0 and t == int(os.environ.get("ELASTIC_ADD_AT", "-1")):
-                with open(os.environ["ELASTIC_HOSTS_FILE"], "a") as f:
-                    f.write(os.environ["ELASTIC_ADD_HOST"] + "\n")
+                path = os.environ["ELASTIC_HOSTS_FILE"]
+                lines = open(path).read().split()
+                lines = [h for h in lines if h != os.environ.get("ELASTIC_DROP_HOST")]
+                lines += [os.environ["ELASTIC_ADD_HOST"]] if "ELASTIC_ADD_HOST" in os.environ else []
+                with open(path, "w") as f:
+                    f.write("".join(h + "\n" for h in lines))
             time.sleep(float(os.environ.get("ELASTIC_STEP_SLEEP", "0")))  # time for the launcher to notice
             state.commit()
 

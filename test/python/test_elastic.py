@@ -314,3 +314,15 @@ def test_zero_a_host_added_receives_its_shards(tmp_path):
     grown = min(t for t, n in sizes.items() if n == {3})
     assert all(sizes[t] == ({2} if t < grown else {3}) for t in range(24)), sizes
     _assert_trained_like_reference(out, 24, "3")
+
+
+def test_zero_a_host_removed_by_discovery_resyncs_the_state(tmp_path):
+    # Only a removal: Horovod skips sync() then, but a ZeRO optimizer is sharded anew at the
+    # reset and needs its commit loaded (else it would train on zeros).
+    p, out, sizes = _elastic_job(tmp_path, ["localhost:2", "127.0.0.1:1"], 3, 2, 3, ELASTIC_STEPS="24",
+                                 ELASTIC_ADD_AT="2", ELASTIC_DROP_HOST="127.0.0.1:1", ELASTIC_STEP_SLEEP="0.2",
+                                 ELASTIC_ZERO="2")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    shrunk = min(t for t, n in sizes.items() if n == {2})
+    assert all(sizes[t] == ({3} if t < shrunk else {2}) for t in range(24)), sizes
+    _assert_trained_like_reference(out, 24, "2")

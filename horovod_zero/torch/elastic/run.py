@@ -50,7 +50,7 @@ def run(func):
                     state.restore()  # undo what the failed step changed on this rank
                     skip_sync = False
                 except HostsUpdatedInterrupt as e:
-                    skip_sync = e.skip_sync
+                    skip_sync = e.skip_sync and not state.sync_after_every_reset
                 _reset()
                 state.on_reset()
         finally:

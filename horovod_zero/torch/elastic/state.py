@@ -31,6 +31,10 @@ class HostsUpdatedInterrupt(RuntimeError):
 class State:
     """Base class of elastic state: subclasses define save(), restore() and sync()."""
 
+    # Whether sync() must run after every reset, also one that only removed hosts (where
+    # every remaining rank's state is already the same): a state that reset() rebuilds.
+    sync_after_every_reset = False
+
     def __init__(self, bcast_object=broadcast_object, get_rank=rank):
         self._bcast_object = bcast_object
         self._rank = get_rank

@@ -153,6 +153,11 @@ class TorchState(ObjectState):
             if hasattr(h, "reset"):
                 h.reset()
 
+    @property
+    def sync_after_every_reset(self):
+        """A ZeRO optimizer is sharded anew at each reset, and only sync() loads its state."""
+        return any(isinstance(h, _ZeroHandler) for h in self.__dict__.get("_handlers", {}).values())
+
     def __setattr__(self, name, value):
         handlers = self.__dict__.get("_handlers", {})
         if name in handlers:
