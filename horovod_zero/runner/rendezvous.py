@@ -153,8 +153,10 @@ def make_store(world: World, generation: int, timeout_s: float):
     else:
         store = _torchrun_store(world, timeout)
     # A prefix per init() generation keeps a re-init (and the user's own
-    # torch.distributed use of the same store) from reading stale keys.
-    return dist.PrefixStore(f"{SCOPE}/{generation}", store)
+    # torch.distributed use of the same store) from reading stale keys. torchrun's agent
+    # keeps its store when it restarts the workers (--max-restarts): a prefix per restart too.
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if world.launcher == "torchrun" else "0"
+    return dist.PrefixStore(f"{SCOPE}/{generation}" if restart == "0" else f"{SCOPE}/r{restart}.{generation}", store)
 
 
 def make_gloo_backend(store, world: World, timeout_s: float, iface: str = ""):

@@ -5,6 +5,9 @@ on how many ranks took each step. Variables:
   ELASTIC_STEPS      steps to train;
   ELASTIC_KILL_HOST  the worker of this host (HOROVOD_HOSTNAME) SIGKILLs itself in the
                      middle of step ELASTIC_KILL_AT (after backward, before step());
+  ELASTIC_KILL_RANK  under torchrun: the worker of this RANK does, once (it leaves the
+                     file ELASTIC_KILL_MARK behind, and a restarted worker sees it);
+  ELASTIC_COMMIT_DIR TorchState(..., commit_dir=): commits to disk;
   ELASTIC_ADD_HOST   a line rank 0 appends to ELASTIC_HOSTS_FILE (the discovery
                      script's output) after step ELASTIC_ADD_AT;
   ELASTIC_DROP_HOST  a line rank 0 removes from it then instead;
@@ -56,11 +59,15 @@ def main():
     steps = int(os.environ["ELASTIC_STEPS"])
     out = os.environ["ELASTIC_OUT"]
     host = os.environ.get("HOROVOD_HOSTNAME", "")
-    kill_at = int(os.environ.get("ELASTIC_KILL_AT", "-1")) if host == os.environ.get("ELASTIC_KILL_HOST") else -1
+    mark = os.environ.get("ELASTIC_KILL_MARK", "")
+    victim = host == os.environ.get("ELASTIC_KILL_HOST") or (
+        "ELASTIC_KILL_RANK" in os.environ and os.environ.get("RANK") == os.environ["ELASTIC_KILL_RANK"]
+        and not os.path.exists(mark))
+    kill_at = int(os.environ.get("ELASTIC_KILL_AT", "-1")) if victim else -1
     zero = os.environ.get("ELASTIC_ZERO", "")
     model = make_model()
     opt = wrap(model, zero)
-    state = hvd.elastic.TorchState(model, opt, step=0)
+    state = hvd.elastic.TorchState(model, opt, commit_dir=os.environ.get("ELASTIC_COMMIT_DIR"), step=0)
     log = open(os.path.join(out, f"sizes.{os.getpid()}"), "a")
 
     @hvd.elastic.run
@@ -73,6 +80,8 @@ def main():
             opt.zero_grad()
             F.mse_loss(model(x[rows]), y[rows]).backward()
             if t == kill_at:
+                if mark:
+                    open(mark, "w").close()
                 os.kill(os.getpid(), signal.SIGKILL)  # mid-step: the others wait for its gradients
             opt.step()
             log.write(f"{t} {hvd.size()}\n")

@@ -326,3 +326,31 @@ def test_zero_a_host_removed_by_discovery_resyncs_the_state(tmp_path):
     shrunk = min(t for t, n in sizes.items() if n == {2})
     assert all(sizes[t] == ({3} if t < shrunk else {2}) for t in range(24)), sizes
     _assert_trained_like_reference(out, 24, "2")
+
+
+def test_zero_commits_to_disk_a_killed_worker_the_others_go_on_from_the_files(tmp_path):
+    # horovodrun, 3 ranks -> 2, with TorchState(commit_dir=): the state comes from the last
+    # commit's files (a sharded checkpoint), resharded for 2 ranks.
+    p, out, sizes = _elastic_job(tmp_path, TWO_HOSTS, 3, 2, 3, ELASTIC_STEPS="10", ELASTIC_KILL_HOST="127.0.0.1",
+                                 ELASTIC_KILL_AT="4", ELASTIC_ZERO="2", ELASTIC_COMMIT_DIR=str(tmp_path / "commits"))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert sizes == {t: {3} if t < 4 else {2} for t in range(10)}
+    _assert_trained_like_reference(out, 10, "2")
+    assert sorted(os.listdir(tmp_path / "commits")) == ["state.pt", "zero.optimizer.11"]  # 1 at the start, 10 steps
+
+
+@pytest.mark.parametrize("zero", ["", "3"])
+def test_torchrun_restarts_every_worker_and_they_go_on_from_the_last_commit_on_disk(tmp_path, zero):
+    out = tmp_path / "out"
+    out.mkdir()
+    run_env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_VARS)}
+    run_env.update(PYTHONPATH=ROOT + os.pathsep + os.path.join(ROOT, "test", "python"), OMP_NUM_THREADS="1",
+                   ELASTIC_OUT=str(out), ELASTIC_STEPS="8", ELASTIC_KILL_RANK="1", ELASTIC_KILL_AT="4",
+                   ELASTIC_KILL_MARK=str(tmp_path / "killed"), ELASTIC_COMMIT_DIR=str(tmp_path / "commits"),
+                   ELASTIC_ZERO=zero)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
+           TRAIN]
+    p = subprocess.run(cmd, cwd=ROOT, env=run_env, capture_output=True, text=True, timeout=150)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert (tmp_path / "killed").exists() and len(list(out.glob("sizes.*"))) == 4  # 2 workers, twice
+    _assert_trained_like_reference(out, 8, zero)

@@ -5,8 +5,11 @@ sampler position, and the plain values, to every rank. A DistributedZeroOptimize
 is sharded: its commits keep each rank's shards and a copy of them on another rank, and a
 job of another size reshards them (zero/state/replicas.py)."""
 
+import os
+
 import torch
 
+from horovod_zero.torch.elastic import disk
 from horovod_zero.torch.elastic.sampler import ElasticSampler
 from horovod_zero.torch.elastic.state import ObjectState
 from horovod_zero.torch.functions import broadcast_optimizer_state, broadcast_parameters
@@ -119,9 +122,13 @@ class TorchState(ObjectState):
     """TorchState(model, optimizer, sampler=..., epoch=0, batch=0): each keyword becomes
     an attribute. Models, optimizers (torch.optim and hvd.DistributedOptimizer) and
     ElasticSamplers are kept through their state_dict(); other values as ObjectState
-    keeps them. Assigning a new model or optimizer to the attribute commits it."""
+    keeps them. Assigning a new model or optimizer to the attribute commits it.
+    commit_dir=path: commits go to files there instead of host memory (elastic/disk.py),
+    and sync() starts from the last one: for launchers that restart every worker."""
 
-    def __init__(self, model=None, optimizer=None, **kwargs):
+    def __init__(self, model=None, optimizer=None, commit_dir=None, **kwargs):
+        self._commit_dir = os.fspath(commit_dir) if commit_dir is not None else None
+        self._disk_number = 0  # the last commit in commit_dir
         kwargs.update(model=model, optimizer=optimizer)
         zero_models = {id(v.sharded_state.model) for v in kwargs.values() if isinstance(v, DistributedZeroOptimizer)}
         handlers = {}
@@ -130,23 +137,49 @@ class TorchState(ObjectState):
             if h is not None:
                 handlers[k] = h
                 setattr(self, k, kwargs.pop(k))
-        self._handlers = handlers
+        # ZeRO commits first: they are collective and may fail, and then nothing else may have
+        # been saved yet, so that the last commit stays whole.
+        self._handlers = dict(sorted(handlers.items(), key=lambda kv: not isinstance(kv[1], _ZeroHandler)))
         super().__init__(**kwargs)
 
     def save(self):
+        if self._commit_dir is not None:
+            super().save()
+            self._disk_number += 1
+            disk.save(self._commit_dir, self._disk_number, *self._by_kind(), self._saved_state)
+            return
         for h in self._handlers.values():
             h.save()
         super().save()
 
     def restore(self):
-        for h in self._handlers.values():
-            h.restore()
+        if self._commit_dir is None:  # else sync() reads the last commit from disk
+            for h in self._handlers.values():
+                h.restore()
         super().restore()
 
     def sync(self):
+        if self._commit_dir is not None:
+            number = disk.last_number(self._commit_dir)
+            if number is None:
+                self.save()  # the job's first start: commit 1 is where it starts
+                return
+            self._disk_number = number
+            self._saved_state = disk.load(self._commit_dir, number, *self._by_kind())
+            self._set_attrs()
+            for h in self._handlers.values():
+                if isinstance(h, _ZeroHandler):
+                    h.value.publish_loaded()
+            return
         for h in self._handlers.values():
             h.sync()
         super().sync()
+
+    def _by_kind(self):
+        """({name: ZeRO optimizer}, {name: other object kept through state_dict()})."""
+        zero = {k: h.value for k, h in self._handlers.items() if isinstance(h, _ZeroHandler)}
+        plain = {k: h.value for k, h in self._handlers.items() if not isinstance(h, (_ZeroHandler, _Covered))}
+        return zero, plain
 
     def reset(self):
         for h in self._handlers.values():
