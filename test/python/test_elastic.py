@@ -143,6 +143,23 @@ def _zero_over_a_process_set_refused():
     return msg
 
 
+def _zero_with_nvme_refused(path):
+    import horovod_zero.torch as hvd
+    hvd.init()
+    model = torch.nn.Linear(3, 2)
+    opt = hvd.DistributedZeroOptimizer(torch.optim.AdamW(model.parameters()), model=model, stage=2,
+                                       offload_optimizer="nvme", nvme_path=path)
+    try:
+        hvd.elastic.TorchState(model, opt)
+    except ValueError as e:
+        return str(e)
+
+
+def test_torch_state_refuses_a_zero_optimizer_with_nvme_offload(tmp_path):
+    (status, msg), = launch(_zero_with_nvme_refused, 1, str(tmp_path)).values()
+    assert status == "ok" and "NVMe" in msg and "offload_optimizer='cpu'" in msg, msg
+
+
 def test_torch_state_refuses_a_zero_optimizer_over_a_process_set():
     res = launch(_zero_over_a_process_set_refused, 3)
     for r in (0, 1):
