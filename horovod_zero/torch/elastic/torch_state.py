@@ -169,11 +169,8 @@ class TorchState(ObjectState):
                 self.save()  # the job's first start: commit 1 is where it starts
                 return
             self._disk_number = number
-            self._saved_state = disk.load(self._commit_dir, number, *self._by_kind())
+            self._saved_state = disk.load(self._commit_dir, number, *self._by_kind())  # ZeRO's load publishes
             self._set_attrs()
-            for h in self._handlers.values():
-                if isinstance(h, _ZeroHandler):
-                    h.value.publish_loaded()
             return
         for h in self._handlers.values():
             h.sync()
