@@ -15,7 +15,8 @@ on how many ranks took each step. Variables:
                      rank logs the size each step ran at (sizes.<pid>);
   ELASTIC_ZERO       "" (hvd.DistributedOptimizer over SGD with momentum), or a
                      DistributedZeroOptimizer over AdamW: "1", "2", "3" (the stage), with
-                     "-offload" (offload_optimizer="cpu") or "-hybrid" (shard_group="node")."""
+                     "-offload" (offload_optimizer="cpu"), "-nvme" (offload_optimizer="nvme", its
+                     files under ELASTIC_OUT) or "-hybrid" (shard_group="node")."""
 
 import os
 import signal
@@ -49,9 +50,12 @@ def wrap(model, zero):
     if not zero:
         return hvd.DistributedOptimizer(make_optimizer(model), named_parameters=model.named_parameters())
     stage, _, extra = zero.partition("-")
+    nvme = os.path.join(os.environ["ELASTIC_OUT"], "nvme") if extra == "nvme" else None
+    if nvme:
+        os.makedirs(nvme, exist_ok=True)  # every worker's swap files, each in a folder of its own
     return hvd.DistributedZeroOptimizer(make_optimizer(model, zero), model=model, stage=int(stage),
-                                        offload_optimizer="cpu" if extra == "offload" else None,
-                                        shard_group="node" if extra == "hybrid" else None)
+                                        offload_optimizer={"offload": "cpu", "nvme": "nvme"}.get(extra),
+                                        nvme_path=nvme, shard_group="node" if extra == "hybrid" else None)
 
 
 def main():

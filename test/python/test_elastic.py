@@ -143,23 +143,6 @@ def _zero_over_a_process_set_refused():
     return msg
 
 
-def _zero_with_nvme_refused(path):
-    import horovod_zero.torch as hvd
-    hvd.init()
-    model = torch.nn.Linear(3, 2)
-    opt = hvd.DistributedZeroOptimizer(torch.optim.AdamW(model.parameters()), model=model, stage=2,
-                                       offload_optimizer="nvme", nvme_path=path)
-    try:
-        hvd.elastic.TorchState(model, opt)
-    except ValueError as e:
-        return str(e)
-
-
-def test_torch_state_refuses_a_zero_optimizer_with_nvme_offload(tmp_path):
-    (status, msg), = launch(_zero_with_nvme_refused, 1, str(tmp_path)).values()
-    assert status == "ok" and "NVMe" in msg and "offload_optimizer='cpu'" in msg, msg
-
-
 def test_torch_state_refuses_a_zero_optimizer_over_a_process_set():
     res = launch(_zero_over_a_process_set_refused, 3)
     for r in (0, 1):
@@ -311,7 +294,7 @@ HOST_PAIRS = ["localhost:2", "127.0.0.1:2"]  # the kill blacklists 127.0.0.1, so
 
 
 @pytest.mark.parametrize("hosts,zero", [(TWO_HOSTS, "1"), (TWO_HOSTS, "2"), (TWO_HOSTS, "3"),
-                                        (TWO_HOSTS, "2-offload"), (TWO_HOSTS, "3-offload"),
+                                        (TWO_HOSTS, "2-offload"), (TWO_HOSTS, "3-offload"), (TWO_HOSTS, "3-nvme"),
                                         (HOST_PAIRS, "3"), (HOST_PAIRS, "2-hybrid")])
 def test_zero_lost_ranks_the_others_reshard_from_their_shards_and_copies(tmp_path, hosts, zero):
     # The dead ranks' shards come from their copies on the other host (with hybrid sharding,

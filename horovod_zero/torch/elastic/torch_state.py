@@ -87,7 +87,6 @@ class _ZeroHandler:
             self.save()
         else:
             self._number = number
-            self.value.publish_loaded()
 
 
 class _Covered:
@@ -108,10 +107,6 @@ def _handler(value, zero_models):
             raise ValueError("TorchState keeps a DistributedZeroOptimizer over every rank of the job; this one spans "
                              "a process set (process_set=), whose ranks a reset renumbers. Build it without "
                              "process_set=, or with shard_group='node' for sharding inside each node.")
-        if value.sharded_state.on_disk:
-            raise ValueError("TorchState does not keep a DistributedZeroOptimizer with NVMe offload yet: its state "
-                             "lives in swap files that a job of another size does not reuse. Use "
-                             "offload_optimizer='cpu', or restart from hvd.zero.save_checkpoint() files.")
         return _ZeroHandler(value)
     if isinstance(value, torch.nn.Module):
         return _Covered(value) if id(value) in zero_models else _ModelHandler(value)

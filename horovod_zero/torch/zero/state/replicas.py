@@ -137,8 +137,9 @@ def take(view, model, number) -> Commit:
 
 
 def restore(commit, view, model):
-    """Loads the last commit into this job's shards, whatever its size (collective). Returns
-    its number, or None when no rank holds a commit (the job's start: nothing to load)."""
+    """Loads the last commit into this job's shards, whatever its size, and publishes the
+    parameters (collective). Returns its number, or None when no rank holds a commit (the
+    job's start: nothing to load)."""
     everyone = allgather_object((commit.summary() if commit is not None else None, view.rank),
                                 name="zero.elastic.restore")
     places = [place for _, place in everyone]  # each rank's place in this job's sharding
@@ -171,6 +172,7 @@ def restore(commit, view, model):
         objects = broadcast_object(commit.objects if holders[0][0] == rank() else None, root_rank=holders[0][0],
                                    name="zero.elastic.objects")
         _load_objects(view, model, objects)
+        view.publish()  # inside: with NVMe offload the masters are in memory only here
     return numbers[0]
 
 
