@@ -10,6 +10,7 @@ through torch. So this entry point runs Horovod's own launcher in gloo mode and
 answers its "is Gloo built?" question for the ranks it is about to start.
 """
 
+import os
 import sys
 
 _INSTALL_HINT = (
@@ -34,6 +35,10 @@ def main(argv=None):
         return 2
     if "--gloo" not in argv:
         argv.insert(0, "--gloo")
+    # The elastic driver waits for --min-np slots for HOROVOD_ELASTIC_TIMEOUT (--elastic-timeout);
+    # HOROVOD_ELASTIC_START_TIMEOUT means the same where that one is unset. The workers inherit it.
+    if os.environ.get("HOROVOD_ELASTIC_START_TIMEOUT") and not os.environ.get("HOROVOD_ELASTIC_TIMEOUT"):
+        os.environ["HOROVOD_ELASTIC_TIMEOUT"] = os.environ["HOROVOD_ELASTIC_START_TIMEOUT"]
     horovod_launch.gloo_built = lambda verbose=False: True
     horovod_launch.mpi_built = lambda verbose=False: False
     saved = sys.argv

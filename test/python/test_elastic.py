@@ -283,7 +283,7 @@ def test_a_host_added_joins_at_the_next_commit_with_rank_0s_state(tmp_path):
 
 def test_below_min_np_the_job_ends_with_the_drivers_message(tmp_path):
     p, _, _ = _elastic_job(tmp_path, ["localhost:1", "127.0.0.1:1"], 2, 2, 2, timeout=90, ELASTIC_STEPS="30",
-                           ELASTIC_KILL_HOST="127.0.0.1", ELASTIC_KILL_AT="3", HOROVOD_ELASTIC_TIMEOUT="3",
+                           ELASTIC_KILL_HOST="127.0.0.1", ELASTIC_KILL_AT="3", HOROVOD_ELASTIC_START_TIMEOUT="3",
                            HOROVOD_GLOO_TIMEOUT_SECONDS="10")
     assert p.returncode != 0
     assert "enough resources to run at least 2 Horovod processes" in p.stdout + p.stderr, p.stderr[-3000:]
