@@ -156,7 +156,7 @@ def make_store(world: World, generation: int, timeout_s: float):
     # torch.distributed use of the same store) from reading stale keys. torchrun's agent
     # keeps its store when it restarts the workers (--max-restarts): a prefix per restart too.
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if world.launcher == "torchrun" else "0"
-    return dist.PrefixStore(f"{SCOPE}/{generation}" if restart == "0" else f"{SCOPE}/r{restart}.{generation}", store)
+    return dist.PrefixStore(f"{SCOPE}/{restart}.{generation}", store)
 
 
 def make_gloo_backend(store, world: World, timeout_s: float, iface: str = ""):

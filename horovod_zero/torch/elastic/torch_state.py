@@ -20,42 +20,34 @@ from horovod_zero.torch.zero.state.dcp_state import staged  # a copy in host mem
 
 
 class _Handler:
-    def __init__(self, value):
+    """A model, an optimizer or an ElasticSampler: a commit is a host copy of its
+    state_dict(); restore() loads it back; sync() gives every rank rank 0's (`broadcast`)."""
+
+    def __init__(self, value, broadcast):
         self.value = value
+        self._broadcast = broadcast
         self.save()
 
-
-class _ModelHandler(_Handler):
     def save(self):
         self._saved = staged(self.value.state_dict())
 
     def restore(self):
-        self.value.load_state_dict(self._saved)
+        self.value.load_state_dict(self._saved)  # torch moves an optimizer's state to its parameters' devices
 
     def sync(self):
-        broadcast_parameters(self.value.state_dict(), root_rank=0)
+        self._broadcast(self.value)
 
 
-class _OptimizerHandler(_Handler):
-    def save(self):
-        self._saved = staged(self.value.state_dict())
-
-    def restore(self):
-        self.value.load_state_dict(self._saved)  # torch moves the state to each parameter's device
-
-    def sync(self):
-        broadcast_optimizer_state(self.value, root_rank=0)
+def _broadcast_model(model):
+    broadcast_parameters(model.state_dict(), root_rank=0)
 
 
-class _SamplerHandler(_Handler):
-    def save(self):
-        self._saved = dict(self.value.state_dict())
+def _broadcast_optimizer(opt):
+    broadcast_optimizer_state(opt, root_rank=0)
 
-    def restore(self):
-        self.value.load_state_dict(self._saved)
 
-    def sync(self):
-        self.value.load_state_dict(broadcast_object(self.value.state_dict()))  # re-partitions for hvd.size()
+def _broadcast_sampler(sampler):
+    sampler.load_state_dict(broadcast_object(sampler.state_dict()))  # re-partitions for hvd.size()
 
 
 class _ZeroHandler:
@@ -109,11 +101,11 @@ def _handler(value, zero_models):
                              "process_set=, or with shard_group='node' for sharding inside each node.")
         return _ZeroHandler(value)
     if isinstance(value, torch.nn.Module):
-        return _Covered(value) if id(value) in zero_models else _ModelHandler(value)
+        return _Covered(value) if id(value) in zero_models else _Handler(value, _broadcast_model)
     if isinstance(value, torch.optim.Optimizer):
-        return _OptimizerHandler(value)
+        return _Handler(value, _broadcast_optimizer)
     if isinstance(value, ElasticSampler):
-        return _SamplerHandler(value)
+        return _Handler(value, _broadcast_sampler)
     return None
 
 

@@ -5,7 +5,8 @@ rebuilds every shard from the survivors and reshards it for its new size, with n
 [Note: buddies]
 Rank r's copy goes to its buddy: the first rank after r on another node (the next rank when
 every rank is on one node), so that a lost node takes no shard's both copies. The copies
-travel in one alltoall per kind of state at each commit, over NCCL when the shards are on GPUs. A rank's shards are, per parameter, its elements
+travel in one alltoall per kind of state at each commit, over NCCL when the shards are on
+GPUs. A rank's shards are, per parameter, its elements
 [r * n, (r + 1) * n) (core/plan.py) of the fp32 master and of each parameter-shaped
 optimizer state (Adam's two moments); state that is not (Adam's step) is the same on every
 rank and kept with the step count, the loss scaler, the hyperparameters and the model's
@@ -20,7 +21,7 @@ of state, in an order both sides derive from the layout (by source rank, committ
 parameter). A committed job and a new one of any sizes, either way."""
 
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, Tuple
 
 import torch
 
@@ -45,8 +46,8 @@ def _range(numel, n_ranks, r):
 
 
 def _lengths(layout, r, indices):
-    return [_range(layout.numels[i], layout.size, r)[1] - _range(layout.numels[i], layout.size, r)[0]
-            for i in indices]
+    """Committed rank r's element count of each parameter at `indices`."""
+    return [hi - lo for lo, hi in (_range(layout.numels[i], layout.size, r) for i in indices)]
 
 
 class Commit:
