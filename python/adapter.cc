@@ -111,6 +111,7 @@ class TorchAllocator : public Allocator {
 struct Kept {
   at::Tensor input;
   at::Tensor output;
+  void* stream = nullptr;  // the caller's CUDA stream at enqueue
   std::optional<at::TensorOptions> splits_options;
   std::vector<int64_t> received_splits;
 };
@@ -212,7 +213,13 @@ class PyRuntime {
   // The handle stays valid: synchronize() still releases it and reports a later
   // failure. An op already done (every CPU op) needs no wait; one that failed before
   // launching raises here, and its handle still waits for synchronize().
-  void WaitStream(int64_t h, int device) {
+  //
+  // `let_go`: the handle stops holding the op's input and output, so that they are freed
+  // when the caller drops them instead of at synchronize(); that is safe once the caller's
+  // stream waits for the op, for memory the caching allocator hands out again on that
+  // stream. Memory the caller may reuse on another stream (enqueued from one stream,
+  // waited for from another) is recorded on the waiting stream first.
+  void WaitStream(int64_t h, int device, bool let_go) {
     constexpr std::chrono::milliseconds kSlice(50);
     std::shared_ptr<void> event;
     Status s;
@@ -227,6 +234,7 @@ class PyRuntime {
     }
     Check(s);
     if (event) CurrentStreamWaitEvent(device, event.get());
+    if (let_go) LetGo(h, device, event != nullptr);
   }
 
   // Many handles for few releases of the GIL. Every handle is waited for and
@@ -388,6 +396,7 @@ class PyRuntime {
     // holds them until Wait takes the output (see HandleTable).
     auto kept = std::make_shared<Kept>();
     kept->input = in;
+    kept->stream = stream;
     if (output) {
       DataType odt;
       HVDZ_RETURN_IF_ERROR(CheckTensor(*output, name, "output", &odt));
@@ -480,6 +489,18 @@ class PyRuntime {
     }
   }
 
+  // After the launch (the background thread no longer touches the tensors), with the GIL.
+  void LetGo(int64_t h, int device, bool running) {
+    auto kept = std::static_pointer_cast<Kept>(rt_->handles().Keepalive(h));
+    if (!kept) return;
+    void* waiting = device >= 0 ? CurrentCudaStream(device) : nullptr;
+    if (running && waiting != kept->stream)
+      for (const at::Tensor* t : {&kept->input, &kept->output})
+        if (t->defined() && t->is_cuda()) RecordStream(*t, waiting);
+    kept->input = at::Tensor();
+    kept->output = at::Tensor();
+  }
+
   // Called with the GIL held: the input and output may be dropped here for the last time.
   py::object TakeOutput(int64_t h) {
     auto kept = std::static_pointer_cast<Kept>(rt_->handles().Release(h));
@@ -556,7 +577,7 @@ PYBIND11_MODULE(_core, m) {
       .def("remove_process_set", &PyRuntime::RemoveProcessSet, py::arg("id"))
       .def("join", &PyRuntime::Join, py::arg("device"))
       .def("wait", &PyRuntime::Wait)
-      .def("wait_stream", &PyRuntime::WaitStream)
+      .def("wait_stream", &PyRuntime::WaitStream, py::arg("handle"), py::arg("device"), py::arg("let_go") = false)
       .def("wait_all", &PyRuntime::WaitAll)
       .def("poll", &PyRuntime::Poll)
       .def("shutdown", &PyRuntime::Shutdown)

@@ -10,10 +10,12 @@ Status Unknown(int64_t h) {
 }
 }  // namespace
 
-int64_t HandleTable::Allocate() {
+int64_t HandleTable::Allocate(std::shared_ptr<void> keepalive) {
   std::lock_guard<std::mutex> lk(mu_);
   int64_t h = next_++;
-  states_.emplace(h, State{});
+  State s;
+  s.keepalive = std::move(keepalive);
+  states_.emplace(h, std::move(s));
   return h;
 }
 
@@ -82,6 +84,12 @@ Status HandleTable::WaitUntil(int64_t handle, std::chrono::steady_clock::time_po
   if (it == states_.end()) return Unknown(handle);
   *done = cv_.wait_until(lk, deadline, [&] { return states_.at(handle).done; });
   return *done ? states_.at(handle).status : Status::OK();
+}
+
+std::shared_ptr<void> HandleTable::Keepalive(int64_t handle) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = states_.find(handle);
+  return it == states_.end() ? nullptr : it->second.keepalive;
 }
 
 std::shared_ptr<void> HandleTable::Release(int64_t handle) {

@@ -16,7 +16,9 @@ namespace hvdz {
 
 class HandleTable {
  public:
-  int64_t Allocate();
+  // `keepalive`: the entry's objects, held from the start so that the last reference is
+  // always dropped by Release, on the framework's thread, and so that LetGo can reach them.
+  int64_t Allocate(std::shared_ptr<void> keepalive = nullptr);
   void MarkDone(int64_t handle, const Status& s, std::shared_ptr<void> keepalive);
   // CUDA: the handle's op is queued on the GPU, and its outputs are ready after `event`.
   void MarkLaunched(int64_t handle, std::shared_ptr<void> event);
@@ -32,6 +34,8 @@ class HandleTable {
   // it is done, or when it failed before launching (the returned status says why).
   Status WaitLaunchedUntil(int64_t handle, std::chrono::steady_clock::time_point deadline, bool* ready,
                            std::shared_ptr<void>* event);
+  // The handle's keepalive while it is valid (null otherwise); the handle keeps it too.
+  std::shared_ptr<void> Keepalive(int64_t handle);
   // Forgets the handle; returns its keepalive (null for an unknown handle).
   std::shared_ptr<void> Release(int64_t handle);
 

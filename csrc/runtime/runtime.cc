@@ -92,7 +92,7 @@ Status Runtime::Enqueue(std::vector<TensorEntry> entries, void* cuda_stream, std
   for (auto& e : entries) HVDZ_RETURN_IF_ERROR(Admit(&e.request));
   std::vector<int64_t> hs;
   for (auto& e : entries) {
-    int64_t h = handles_.Allocate();
+    int64_t h = handles_.Allocate(e.keepalive);
     hs.push_back(h);
     e.enqueued = now;
     if (e.request.on_cuda()) e.ready_event = ready;

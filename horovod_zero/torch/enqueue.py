@@ -96,14 +96,17 @@ def synchronize(handle):
     return rt.wait(handle)
 
 
-def _wait_stream(handle, device):
+def _wait_stream(handle, device, let_go=False):
     """Orders the current CUDA stream of `device` after the op, on the GPU, without waiting
     for it to run (a CPU op: waits until it is done). The handle stays valid:
-    synchronize() still releases it and reports a failure that comes later."""
+    synchronize() still releases it and reports a failure that comes later.
+    `let_go`: the handle no longer holds the op's tensors (synchronize() then returns
+    None), so they are freed when the caller drops its own references; the caller's
+    later work on this stream is ordered after the op."""
     index = -1
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-    _runtime().wait_stream(handle, index)
+    _runtime().wait_stream(handle, index, let_go)
 
 
 def poll(handle) -> bool:

@@ -58,12 +58,13 @@ class ShardGroups:
 
     def average_replicas(self, items):
         """`items`: (shard, reduced tensor) pairs; each tensor is averaged in place with its
-        replicas on the other nodes, by one grouped allreduce in the cross set."""
+        replicas on the other nodes, by one grouped allreduce in the cross set. Returns its
+        handles, for the caller to wait for."""
         if self.cross_set is None or not items:
-            return
+            return []
         tensors = [t for _, t in items]
-        ops.synchronize(ops._enqueue(_core.OP_ALLREDUCE, tensors, tensors, [f"zero.cross.{s.index}" for s, _ in items],
-                                     ops.Average, process_set=self.cross_set))
+        return ops._enqueue(_core.OP_ALLREDUCE, tensors, tensors, [f"zero.cross.{s.index}" for s, _ in items],
+                            ops.Average, process_set=self.cross_set)
 
 
 def full_sharding() -> ShardGroups:

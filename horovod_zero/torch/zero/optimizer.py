@@ -305,7 +305,7 @@ class DistributedZeroOptimizer:
         self._step.check_step(closure)
         self._finish_reduction()
         self._reducer.hand_over()
-        self.wait_for_params()  # the inner step writes the master shards a gather may still read
+        self._step.before_update()
         if self.loss_scaler is not None:
             found_inf = self._step.found_inf()
             self.loss_scaler.update(found_inf)
@@ -343,6 +343,7 @@ class DistributedZeroOptimizer:
         the shards at `indices`). Only needed with overlap_param_gather=True, before
         reading parameters outside the model's forward or state_dict()."""
         wait_for_params(self._step, self._gatherer, indices)
+        self._reducer.release()  # and report a reduction that failed after step() queued its use
 
     def gathered_params(self, rank0_only=False):
         """Stage 3: a context manager in which every parameter is whole (param_dtype), for

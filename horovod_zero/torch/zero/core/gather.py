@@ -71,7 +71,8 @@ class ParamGatherer:
                 continue
             if stream_ordered and i not in self._after:
                 self._ordered[i] = h  # first: if the wait is interrupted, release() still has it
-                ops._wait_stream(h, self._storage.param_device)
+                # let_go: a freed unit's memory is reused on this stream, after the gather.
+                ops._wait_stream(h, self._storage.param_device, let_go=True)
                 continue
             ops.synchronize(h)
             if i in self._after:

@@ -65,10 +65,12 @@ class WholeParams:
 
     def publish(self, wait):
         """Allgathers the master shards into the parameters; wait=False leaves the handles
-        for wait_for_params() (the forward hooks, or the next step)."""
+        for wait_for_params() (the forward hooks, or the next step). wait=True orders the
+        current stream after them: what runs on it next reads the new values, and the CPU
+        does not wait for the gathers to run."""
         self._gatherer.gather(range(len(self._st.shards)))
         if wait:
-            wait_for_params(self._step, self._gatherer)
+            self._gatherer.wait(stream_ordered=True)
 
     def free(self):
         pass

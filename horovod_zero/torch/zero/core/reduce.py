@@ -38,10 +38,13 @@ class GradReducer:
         self._bpps = backward_passes_per_step
         self._reduce_dtype = reduce_dtype
         self._bucket_limit = bucket_bytes
-        # shard index -> [handle], one per reduction this step. A handle keeps the full
-        # gradient it reduces alive until it is waited for: _drain() waits for those
+        # shard index -> [(handle, output)], one per reduction this step. A handle keeps the
+        # full gradient it reduces alive until it is waited for: _drain() waits for those
         # finished at each flush, so backward holds only the gradients still in flight.
         self._pending = {}
+        # Handles of reductions finish() only ordered the GPU after: released (their
+        # failures raised) at the next finish() or wait_for_params(); they hold nothing.
+        self._ordered = []
         self._had_grad = {}  # shard index -> whether this rank had a gradient for it this step
         self._had_anywhere = []  # per trained parameter: whether any rank had one (submit_rest())
         self._began = False  # a gradient hook ran since the last step (or discard)
@@ -98,8 +101,10 @@ class GradReducer:
         while self._undrained:
             index = self._undrained[0]
             handles = self._pending[index]
-            while handles and (wait or ops.poll(handles[0])):
-                self._done.setdefault(index, []).append(ops.synchronize(handles.pop(0)))
+            while handles and (wait or ops.poll(handles[0][0])):
+                h, out = handles.pop(0)
+                ops.synchronize(h)
+                self._done.setdefault(index, []).append(out)
             if handles:
                 return
             self._undrained.popleft()
@@ -145,8 +150,8 @@ class GradReducer:
         # The runtime holds the inputs until their collective is done, then frees them.
         handles = ops._enqueue(_core.OP_REDUCESCATTER, ins, outs, names, ops.Average,
                                process_set=self._groups.shard_set)
-        for h, (s, _, _) in zip(handles, taken):
-            self._pending.setdefault(s.index, []).append(h)
+        for h, out, (s, _, _) in zip(handles, outs, taken):
+            self._pending.setdefault(s.index, []).append((h, out))
         self._undrained.extend(s.index for s, _, _ in taken)
 
     def _trained(self):
@@ -181,9 +186,10 @@ class GradReducer:
         """Each row of small integers, its elementwise maximum over the optimizer's ranks."""
         if not rows[0]:
             return [[] for _ in rows]
-        # Small per-step allreduces stay on the parameters' device: on GPUs that is NCCL,
-        # not Gloo's TCP pairs (~1 ms an op on an 8-GPU host).
-        t = torch.tensor(rows, dtype=torch.float32, device=self._storage.param_device)
+        # On the host (Gloo), even with GPUs: over NCCL it would queue behind the step's
+        # reduce-scatters, and reading it would make the CPU wait for all of them to run,
+        # leaving the GPU idle while the CPU then queues the optimizer step.
+        t = torch.tensor(rows, dtype=torch.float32)
         t = ops.synchronize(ops._allreduce_async(t, "zero.reductions", ops.Max, 1.0, 1.0,
                                                  self._groups.scope.process_set))
         return t.tolist()
@@ -193,6 +199,7 @@ class GradReducer:
         the factor `unscale` (loss-scale unscaling) they are used with."""
         if self._reduced:
             return
+        self.release()
         # First: a reduction this rank waits for below may be one the other ranks submit only
         # in submit_rest() (their zeros for a parameter only this rank had a gradient for).
         self.submit_rest()
@@ -205,11 +212,14 @@ class GradReducer:
         had = self._had_anywhere
         self._sink.set_unscale(unscale)
         # One output per reduction this step.
-        outputs = {s.index: self._done.pop(s.index, []) + [ops.synchronize(h) for h in self._pending.get(s.index, ())]
+        for h, _ in (x for hs in self._pending.values() for x in hs):
+            self._order_after(h)
+        outputs = {s.index: self._done.pop(s.index, []) + [out for _, out in self._pending.pop(s.index, ())]
                    for s, _ in trained}
         if not self._groups.final_after_reduce_scatter:
             items = [(s, sum(outputs[s.index][1:], outputs[s.index][0])) for (s, _), flag in zip(trained, had) if flag]
-            self._groups.average_replicas(items)
+            for h in self._groups.average_replicas(items):
+                self._order_after(h)
             outputs.update((s.index, [t]) for s, t in items)
             del items  # the outputs hold them now, freed one by one below
         # Popped, and handed over TAKE_BYTES at a time: the reduced outputs (param_dtype) are
@@ -230,6 +240,24 @@ class GradReducer:
         self._reset()
         self._reduced = True
 
+    def _order_after(self, handle):
+        """Orders the work queued next on the current stream after this reduction. On GPUs
+        the CPU does not wait for it to run: it goes on to queue the step, so the GPU is not
+        left idle between the last reduction and the step's kernels."""
+        device = self._storage.param_device
+        if device.type != "cuda" or self._sink.takes_early:  # offload: the host reads it next
+            ops.synchronize(handle)
+            return
+        ops._wait_stream(handle, device, let_go=True)
+        self._ordered.append(handle)
+
+    def release(self):
+        """Releases the reductions finish() only ordered the GPU after, raising if one
+        failed. By then they have usually run long ago."""
+        ordered, self._ordered = self._ordered, []
+        if ordered:
+            ops.synchronize(ordered)
+
     def hand_over(self):
         """The step took this step's reduced gradients: the next backward starts a new step
         (finish() reduces again)."""
@@ -244,12 +272,13 @@ class GradReducer:
         with their next step's. (A rank whose backward gave no gradient at all cannot tell
         that a backward ran; it would not join, and the stall check names it.)"""
         self._bucket, self._bucket_bytes = [], 0
+        self.release()
         if self._began:
             trained = self._trained()
             counts = [self._count(s) for s, _ in trained]
             (needed,) = self._max_over_ranks([counts])
             self._make_up(trained, counts, needed)
-        handles = [h for hs in self._pending.values() for h in hs]
+        handles = [h for hs in self._pending.values() for h, _ in hs]
         if handles:
             ops.synchronize(handles)
         self._reset()

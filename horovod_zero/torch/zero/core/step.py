@@ -136,6 +136,11 @@ class DeviceStep:
     def params_ready(self, indices):
         pass
 
+    def before_update(self):
+        # The step writes the master shards the gathers read: on the GPU it runs after them.
+        # The CPU does not wait, so it queues the step while the GPU finishes backward.
+        self.gatherer.wait(stream_ordered=True)
+
     def forward_wait(self, indices):
         if self.gatherer.in_flight:
             self.gatherer.wait(indices)

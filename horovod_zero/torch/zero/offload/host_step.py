@@ -165,6 +165,9 @@ class HostStep:
         """After a load: the param_dtype copies made again from the masters."""
         self.host.refresh(range(len(self._st.shards)))
 
+    def before_update(self):
+        wait_for_params(self, self.gatherer)  # the host steps the masters the gathers read
+
     def params_ready(self, indices):
         if self._overlap is not None and self._overlap.deferred:  # the host step's end
             self._overlap.params_ready(indices)
