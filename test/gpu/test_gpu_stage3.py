@@ -132,3 +132,34 @@ def test_prefetch_overlaps_the_next_units_gather_with_this_units_compute():
         # beside them; with prefetch 0 it is issued at block i+1 and waits for the stream.
         assert frac_on > 0.3, (frac_on, frac_off)
         assert frac_off < frac_on / 2, (frac_on, frac_off)
+
+
+def _step_waits_for_the_gpu(stage):
+    """Whether step() returned only after the GPU finished what was queued before it: a
+    ~0.5 s sleep kernel queued after backward. The step's values are checked against the
+    reference by the parity tests; this checks that the CPU queues the step behind the
+    GPU's work instead of waiting for it (the GPU would idle while the CPU then queues it)."""
+    dev = hvd.device()
+    model = _Blocks().to(dev)
+    opt = hvd.DistributedZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True), model=model,
+                                       stage=stage, param_dtype=torch.bfloat16)
+    x = torch.randn(ROWS, WIDTH, device=dev, dtype=torch.bfloat16)
+    waited = []
+    for _ in range(3):
+        model(x).float().pow(2).mean().backward()
+        torch.cuda._sleep(1_000_000_000)
+        opt.step()
+        waited.append(torch.cuda.current_stream(dev).query())
+        opt.zero_grad()
+        torch.cuda.synchronize(dev)
+    finite = all(torch.isfinite(p.float()).all().item() for p in opt.optimizer.param_groups[0]["params"])
+    del opt, model
+    return waited, finite
+
+
+@pytest.mark.gpus(2)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_step_queues_behind_backward_without_waiting_for_the_gpu(stage):
+    for waited, finite in shared_pool(2).run(_step_waits_for_the_gpu, stage):
+        assert waited == [False] * 3, waited
+        assert finite
