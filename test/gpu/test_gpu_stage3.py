@@ -135,10 +135,11 @@ def test_prefetch_overlaps_the_next_units_gather_with_this_units_compute():
 
 
 def _step_waits_for_the_gpu(stage):
-    """Whether step() returned only after the GPU finished what was queued before it: a
-    ~0.5 s sleep kernel queued after backward. The step's values are checked against the
-    reference by the parity tests; this checks that the CPU queues the step behind the
-    GPU's work instead of waiting for it (the GPU would idle while the CPU then queues it)."""
+    """Whether backward, step() and zero_grad() returned only after the GPU finished what
+    was queued before them: a ~0.5 s sleep kernel queued before backward. The step's values
+    are checked against the reference by the parity tests; this checks that the CPU queues
+    the step behind the GPU's work instead of waiting for the reductions to run (the GPU
+    would idle while the CPU then queues the step)."""
     dev = hvd.device()
     model = _Blocks().to(dev)
     opt = hvd.DistributedZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True), model=model,
@@ -146,11 +147,12 @@ def _step_waits_for_the_gpu(stage):
     x = torch.randn(ROWS, WIDTH, device=dev, dtype=torch.bfloat16)
     waited = []
     for _ in range(3):
-        model(x).float().pow(2).mean().backward()
-        torch.cuda._sleep(1_000_000_000)
+        loss = model(x).float().pow(2).mean()
+        torch.cuda._sleep(1_000_000_000)  # backward's kernels, and so its reductions, run after it
+        loss.backward()
         opt.step()
-        waited.append(torch.cuda.current_stream(dev).query())
         opt.zero_grad()
+        waited.append(torch.cuda.current_stream(dev).query())
         torch.cuda.synchronize(dev)
     finite = all(torch.isfinite(p.float()).all().item() for p in opt.optimizer.param_groups[0]["params"])
     del opt, model
@@ -159,7 +161,7 @@ def _step_waits_for_the_gpu(stage):
 
 @pytest.mark.gpus(2)
 @pytest.mark.parametrize("stage", [2, 3])
-def test_step_queues_behind_backward_without_waiting_for_the_gpu(stage):
+def test_the_step_queues_behind_backward_without_waiting_for_the_gpu(stage):
     for waited, finite in shared_pool(2).run(_step_waits_for_the_gpu, stage):
         assert waited == [False] * 3, waited
         assert finite

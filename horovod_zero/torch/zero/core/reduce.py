@@ -251,12 +251,15 @@ class GradReducer:
         ops._wait_stream(handle, device, let_go=True)
         self._ordered.append(handle)
 
-    def release(self):
+    def release(self, wait=True):
         """Releases the reductions finish() only ordered the GPU after, raising if one
-        failed. By then they have usually run long ago."""
-        ordered, self._ordered = self._ordered, []
-        if ordered:
-            ops.synchronize(ordered)
+        failed; wait=False: only those that have run (zero_grad() right after step() must
+        not make the CPU wait for the GPU). At the next finish() they have run long ago."""
+        n = len(self._ordered) if wait else next(
+            (k for k, h in enumerate(self._ordered) if not ops.poll(h)), len(self._ordered))
+        done, self._ordered = self._ordered[:n], self._ordered[n:]
+        if done:
+            ops.synchronize(done)
 
     def hand_over(self):
         """The step took this step's reduced gradients: the next backward starts a new step
@@ -272,7 +275,7 @@ class GradReducer:
         with their next step's. (A rank whose backward gave no gradient at all cannot tell
         that a backward ran; it would not join, and the stall check names it.)"""
         self._bucket, self._bucket_bytes = [], 0
-        self.release()
+        self.release(wait=False)
         if self._began:
             trained = self._trained()
             counts = [self._count(s) for s, _ in trained]
