@@ -67,6 +67,7 @@ from horovod_zero.torch.mpi_ops import (
 from horovod_zero.torch.optimizer import DistributedOptimizer
 from horovod_zero.torch.process_sets import ProcessSet, global_process_set
 from horovod_zero.torch.sparse import sparse_allreduce_async
+from horovod_zero.torch.sync_batch_norm import SyncBatchNorm
 from horovod_zero.torch.alltoall import alltoall, alltoall_async
 from horovod_zero.torch.join import join
 from horovod_zero.torch import zero

@@ -1,0 +1,103 @@
+"""The GPU side of Horovod's torch API, on CUDA tensors over NCCL, each against plain
+torch on every rank: hvd.SyncBatchNorm, alltoall with splits, broadcast_optimizer_state,
+and the errors for a tensor that is on the CPU on one rank and on a GPU on another, and
+for a second GPU in one process (model parallelism over GPUs is not supported yet)."""
+
+import pytest
+import torch
+
+import horovod_zero.torch as hvd
+import sync_bn_check
+from harness import on_gpus, shared_pool
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(params=on_gpus(2))
+def gpus(request):
+    return shared_pool(request.param)
+
+
+def test_sync_batch_norm_on_cuda_matches_batch_norm_over_the_whole_batch(gpus):
+    for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-4)):
+        for errs, eval_err, tracked in gpus.run(sync_bn_check.run, hvd.device(), dtype):
+            for dx, dw, stats, y in errs:
+                assert max(dx, dw, stats, y) < tol, (dtype, errs)
+            assert eval_err < tol and tracked == 2
+
+
+def _rows(src, n):
+    """Rank src's input: src + q + 1 rows for each rank q, in rank order."""
+    return torch.arange(sum(src + q + 1 for q in range(n)) * 3, dtype=torch.float32).reshape(-1, 3) + 100 * src
+
+
+def _alltoall_with_splits():
+    r, n = hvd.rank(), hvd.size()
+    splits = [r + q + 1 for q in range(n)]
+    out, received = hvd.alltoall(_rows(r, n).to(hvd.device()), splits=torch.tensor(splits), name="api.a2a")
+    # Reference: from each source, the slice of its rows addressed to this rank.
+    ref = torch.cat([_rows(src, n)[sum(src + q + 1 for q in range(r)):][:src + r + 1] for src in range(n)])
+    return out.device.type, torch.equal(out.cpu(), ref), received.tolist(), [src + r + 1 for src in range(n)]
+
+
+def test_alltoall_with_splits_on_cuda(gpus):
+    for kind, equal, received, expected in gpus.run(_alltoall_with_splits):
+        assert kind == "cuda" and equal
+        assert received == expected
+
+
+def _two_devices():
+    """A model split over two GPUs of one process: refused with a message that says so
+    (the runtime pairs each process with one GPU: one NCCL communicator per set)."""
+    second = torch.device("cuda", (hvd.device().index + 1) % torch.cuda.device_count())
+    hvd.allreduce(torch.ones(2, device=hvd.device()), name="api.first_gpu")
+    try:
+        hvd.allreduce(torch.ones(2, device=second), name="api.second_gpu")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_a_second_gpu_in_one_process_is_refused_clearly(gpus):
+    for msg in gpus.run(_two_devices):
+        assert msg is not None and "Use one CUDA device per process" in msg, msg
+
+
+def _broadcast_optimizer_state():
+    r = hvd.rank()
+    dev = hvd.device()
+    torch.manual_seed(r)  # every rank starts elsewhere
+    model = torch.nn.Linear(6, 3).to(dev)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01 * (r + 1))
+    model(torch.randn(4, 6, device=dev)).sum().backward()
+    opt.step()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    state = [(k, v.cpu() if torch.is_tensor(v) else v) for s in opt.state.values() for k, v in sorted(s.items())]
+    rows = hvd.allgather_object((opt.param_groups[0]["lr"], state))
+    same = all(lr == rows[0][0] and all(k == k0 and (torch.equal(torch.as_tensor(v), torch.as_tensor(v0)))
+                                        for (k, v), (k0, v0) in zip(st, rows[0][1]))
+               for lr, st in rows)
+    on_gpu = all(v.device.type == "cuda" for s in opt.state.values() for k, v in s.items()
+                 if torch.is_tensor(v) and k != "step")
+    return same, rows[0][0], on_gpu
+
+
+def test_broadcast_optimizer_state_on_cuda(gpus):
+    for same, lr, on_gpu in gpus.run(_broadcast_optimizer_state):
+        assert same and lr == 0.01 and on_gpu
+
+
+def _cpu_here_cuda_there():
+    t = torch.ones(4) if hvd.rank() == 0 else torch.ones(4, device=hvd.device())
+    try:
+        hvd.allreduce(t, name="api.mixed")
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return str(e)
+    return None
+
+
+def test_a_tensor_on_the_cpu_on_one_rank_and_a_gpu_on_another_is_refused(gpus):
+    for msg in gpus.run(_cpu_here_cuda_there):
+        assert msg is not None and "Mismatched device kind for tensor 'api.mixed'" in msg, msg
+        assert "rank 0 has cpu, rank 1 has cuda" in msg, msg
