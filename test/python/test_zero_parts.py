@@ -709,7 +709,7 @@ def _stepped(max_norm, bad):
     red.finish(1.0)
     local_finite = all(bool(torch.isfinite(m.grad).all()) for m in st.master_params if m.grad is not None)
     found = step.found_inf()
-    norm = step.clip(max_norm) if not bad else None
+    norm = step.clip(max_norm, red.order_after) if not bad else None
     return (found, local_finite, None if norm is None else (float(norm), str(norm.dtype), norm.dim()),
             [None if m.grad is None else _values(m.grad) for m in st.master_params])
 

@@ -292,7 +292,7 @@ class DistributedZeroOptimizer:
             raise ValueError("clip_grad_norm_ supports norm_type=2 only.")
         self._step.check_clip()
         self._finish_reduction()
-        return self._step.clip(max_norm)
+        return self._step.clip(max_norm, self._reducer.order_after)
 
     def step(self, closure=None):
         if self._reducer.coalescing:

@@ -5,23 +5,37 @@ one local reduction, one allreduce. The step strategies call these."""
 import torch
 
 from horovod_zero.torch import enqueue as ops
+from horovod_zero.torch.basics import _core
 
 
-def global_norm(grads, process_set, device, scale=1.0):
+def global_norm(grads, process_set, device, scale=1.0, order_after=None):
     """The L2 norm of every rank's `grads` (over `process_set`, the ranks that hold one
     copy of every shard), times `scale`, as a 0-dim fp64 tensor. fp32 math per tensor
     (bf16 shards too), fp64 across tensors and ranks. `device`: where the allreduce
-    runs (the parameters' device: NCCL on GPUs; the host: Gloo)."""
+    runs (the parameters' device: NCCL on GPUs; the host: Gloo). `order_after(handle)`:
+    instead of waiting for the allreduce, order the current stream after it."""
     local = torch.zeros(1, dtype=torch.float64, device=device)
     if grads:
         local += torch.stack(torch._foreach_norm(grads, dtype=torch.float32)).double().pow(2).sum().to(device)
-    total = ops.synchronize(ops._allreduce_async(local, "zero.grad_norm", ops.Sum, 1.0, 1.0, process_set))
-    return total.sqrt()[0] * scale
+    # In place: `local` holds the sum once the stream is ordered after the allreduce.
+    handle = ops._enqueue_one(_core.OP_ALLREDUCE, local, local, "zero.grad_norm", ops.Sum, 1.0, 1.0,
+                              process_set=process_set)
+    if order_after is None:
+        ops.synchronize(handle)
+    else:
+        order_after(handle)
+    return local.sqrt()[0] * scale
 
 
 def clip_coef(total, max_norm):
     """The factor clip_grad_norm_ scales gradients by (< 1 only when clipping)."""
     return float(max_norm) / (float(total) + 1e-6)
+
+
+def clip_coef_tensor(total, max_norm):
+    """clip_coef on the device, at most 1, as torch.nn.utils.clip_grad_norm_ computes it:
+    reading the norm back would make the CPU wait for backward to finish on the GPU."""
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
 
 
 def found_inf(grads, process_set, device):

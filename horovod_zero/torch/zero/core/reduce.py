@@ -213,13 +213,13 @@ class GradReducer:
         self._sink.set_unscale(unscale)
         # One output per reduction this step.
         for h, _ in (x for hs in self._pending.values() for x in hs):
-            self._order_after(h)
+            self.order_after(h)
         outputs = {s.index: self._done.pop(s.index, []) + [out for _, out in self._pending.pop(s.index, ())]
                    for s, _ in trained}
         if not self._groups.final_after_reduce_scatter:
             items = [(s, sum(outputs[s.index][1:], outputs[s.index][0])) for (s, _), flag in zip(trained, had) if flag]
             for h in self._groups.average_replicas(items):
-                self._order_after(h)
+                self.order_after(h)
             outputs.update((s.index, [t]) for s, t in items)
             del items  # the outputs hold them now, freed one by one below
         # Popped, and handed over TAKE_BYTES at a time: the reduced outputs (param_dtype) are
@@ -240,8 +240,9 @@ class GradReducer:
         self._reset()
         self._reduced = True
 
-    def _order_after(self, handle):
-        """Orders the work queued next on the current stream after this reduction. On GPUs
+    def order_after(self, handle):
+        """Orders the work queued next on the current stream after this op (a reduction of
+        this step, or the gradient norm's allreduce). On GPUs
         the CPU does not wait for it to run: it goes on to queue the step, so the GPU is not
         left idle between the last reduction and the step's kernels."""
         device = self._storage.param_device

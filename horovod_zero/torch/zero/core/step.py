@@ -110,13 +110,12 @@ class DeviceStep:
     def found_inf(self):
         return norms.found_inf(self._grads(), self._st.groups.scope.process_set, self._st.param_device)
 
-    def clip(self, max_norm):
+    def clip(self, max_norm, order_after):
         grads = self._grads()
         # Over the ranks holding one copy of every shard (all of them, or one node's).
-        total = norms.global_norm(grads, self._st.groups.shard_set, self._st.param_device)
-        coef = norms.clip_coef(total, max_norm)
-        if coef < 1.0 and grads:
-            torch._foreach_mul_(grads, coef)
+        total = norms.global_norm(grads, self._st.groups.shard_set, self._st.param_device, order_after=order_after)
+        if grads:
+            torch._foreach_mul_(grads, norms.clip_coef_tensor(total, max_norm).to(grads[0].dtype))
         return total.float()
 
     def step(self, closure, params, overlap):

@@ -106,7 +106,7 @@ class HostStep:
     def found_inf(self):
         return norms.found_inf(self.host.present_grads(), self._st.groups.scope.process_set, "cpu")
 
-    def clip(self, max_norm):
+    def clip(self, max_norm, order_after):
         # The host gradients are never rewritten: unscaling and clipping are one factor the step applies.
         total = norms.global_norm(self.host.present_grads(), self._st.groups.shard_set, "cpu", self.host.scale)
         coef = norms.clip_coef(total, max_norm)
