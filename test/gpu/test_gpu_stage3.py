@@ -134,8 +134,8 @@ def test_prefetch_overlaps_the_next_units_gather_with_this_units_compute():
         assert frac_off < frac_on / 2, (frac_on, frac_off)
 
 
-def _step_waits_for_the_gpu(stage):
-    """Whether backward, step() and zero_grad() returned only after the GPU finished what
+def _step_waits_for_the_gpu(stage, clip):
+    """Whether backward, clip_grad_norm_(), step() and zero_grad() returned only after the GPU finished what
     was queued before them: a ~0.5 s sleep kernel queued before backward. The step's values
     are checked against the reference by the parity tests; this checks that the CPU queues
     the step behind the GPU's work instead of waiting for the reductions to run (the GPU
@@ -150,6 +150,8 @@ def _step_waits_for_the_gpu(stage):
         loss = model(x).float().pow(2).mean()
         torch.cuda._sleep(1_000_000_000)  # backward's kernels, and so its reductions, run after it
         loss.backward()
+        if clip:
+            opt.clip_grad_norm_(1.0)
         opt.step()
         opt.zero_grad()
         waited.append(torch.cuda.current_stream(dev).query())
@@ -160,8 +162,8 @@ def _step_waits_for_the_gpu(stage):
 
 
 @pytest.mark.gpus(2)
-@pytest.mark.parametrize("stage", [2, 3])
-def test_the_step_queues_behind_backward_without_waiting_for_the_gpu(stage):
-    for waited, finite in shared_pool(2).run(_step_waits_for_the_gpu, stage):
+@pytest.mark.parametrize("stage,clip", [(2, False), (3, False), (3, True)])
+def test_the_step_queues_behind_backward_without_waiting_for_the_gpu(stage, clip):
+    for waited, finite in shared_pool(2).run(_step_waits_for_the_gpu, stage, clip):
         assert waited == [False] * 3, waited
         assert finite
