@@ -9,6 +9,7 @@ from horovod_zero.torch.mpi_ops import broadcast_async_, synchronize
 from horovod_zero.torch.objects import allgather_object, broadcast_object  # noqa: F401 - hvd.broadcast_object
 from horovod_zero.torch.process_sets import _world_rank, global_process_set
 from horovod_zero.torch.zero import DistributedZeroOptimizer
+from horovod_zero.torch.zero.state import full_state
 
 
 def broadcast_parameters(params, root_rank=0, process_set=global_process_set):
@@ -43,15 +44,23 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None, process_set=gl
     each parameter (tensors such as momentum buffers, and values such as a step
     count) and every param group's settings (lr, betas, ...). Parameters are matched
     by their position in param_groups, as in state_dict(). Works on torch.optim
-    optimizers and on hvd.DistributedOptimizer; call it on every rank (of process_set).
+    optimizers, hvd.DistributedOptimizer and hvd.DistributedZeroOptimizer; call it on
+    every rank (of process_set).
 
     Unlike Horovod's, it takes no optimizer step to create missing state: a rank
-    receives the state root has (none if root has none). `model` is accepted for
-    Horovod's signature and not needed."""
+    receives the state root has (none if root has none). A rank whose optimizer held
+    no state is left, as Horovod's dummy step leaves it, with a zero gradient for each
+    parameter that requires one (sparse for torch.optim.SparseAdam, and for the sparse
+    nn.Embedding parameters of `model`), so that after the broadcast of an optimizer
+    that never stepped every rank has the same gradients.
+
+    A DistributedZeroOptimizer's state is sharded. The root gives the full optimizer
+    state it loaded with opt.load_state_dict() (a torch optimizer's state_dict(), or
+    the 'optimizer' of hvd.zero.consolidated_state_dict), every rank taking its shard
+    of it; without one, its hyperparameters, after checking that every rank's sharded
+    state is at the same step (zero/state/full_state.py)."""
     if isinstance(optimizer, DistributedZeroOptimizer):
-        raise ValueError("A DistributedZeroOptimizer's state is sharded (each rank holds its own part) and starts "
-                         "alike on every rank. To resume from a checkpoint, use its state_dict() and "
-                         "load_state_dict() instead of broadcast_optimizer_state().")
+        return full_state.broadcast(optimizer.sharded_state, root_rank, process_set)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     shape = (len(optimizer.param_groups), len(params))
     # Every rank says how many groups and parameters it has; root adds its layout.
@@ -77,6 +86,8 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None, process_set=gl
                 received[i, key] = (t, broadcast_async_(t, root_rank, name=f"broadcast_optimizer_state.{i}.{key}",
                                                         process_set=process_set))
     synchronize([h for _, h in received.values()])
+    if not any(optimizer.state.get(p) for p in params):  # before the root's state lands here
+        _zero_grads(optimizer, params, model)
     if rank() == root_rank:
         return
     for group, settings in zip(optimizer.param_groups, layout["groups"]):
@@ -86,6 +97,22 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None, process_set=gl
             optimizer.state[p] = {k: received[i, k][0] if isinstance(v, _TensorSpec) else v for k, v in entries.items()}
         else:
             optimizer.state.pop(p, None)
+
+
+def _zero_grads(optimizer, params, model):
+    """What Horovod's dummy step leaves on a rank whose optimizer held no state: a zero
+    gradient for each parameter that requires one, sparse where the optimizer or `model`
+    takes sparse gradients."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # a DistributedOptimizer's torch optimizer
+    sparse = set()
+    if model is not None:
+        sparse = {p for m in model.modules() if isinstance(m, torch.nn.Embedding) and m.sparse
+                  for p in m.parameters()}
+    for p in params:
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+            if isinstance(inner, torch.optim.SparseAdam) or p in sparse:
+                p.grad = p.grad.to_sparse()
 
 
 class _TensorSpec:

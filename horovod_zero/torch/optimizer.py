@@ -35,7 +35,7 @@ def _forwarded(name, settable=True):
     return property(get, put)
 
 
-def _parameter_names(param_groups, named_parameters):
+def _names_of(param_groups, named_parameters):
     """Each trainable parameter's name: the one named_parameters gives it, else
     Horovod's allreduce.noname.<group>.<index>."""
     if named_parameters is None:
@@ -88,6 +88,12 @@ class _Reduction(NamedTuple):
     densified: bool  # a sparse gradient sent dense (sparse_as_dense)
 
 
+# Horovod's words, so that filters written for Horovod's warning catch this one too.
+_STEP_WITHOUT_SKIP = ("optimizer.step() called without optimizer.skip_synchronize() context after "
+                      "optimizer.synchronize(). This can cause training slowdown. You may want to consider using "
+                      "optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code.")
+
+
 def _remove_all(handles):
     for h in handles:
         h.remove()
@@ -112,7 +118,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     A rank on which a parameter got no gradient reduces zeros for it, so every
     rank's gradient is the same (as in Horovod). To change gradients before the
     step (clipping), call synchronize() first, then step() inside
-    skip_synchronize().
+    skip_synchronize(); a step() after synchronize() outside it warns in Horovod's
+    words. Horovod's attributes that scripts read are kept: _parameter_names (without
+    named_parameters, allreduce.noname.<group>.<index>), _allreduce_delay,
+    _requires_update, _handles, _synchronized, _should_synchronize, _compression.
     """
 
     # GradScaler may only hand its scale to an optimizer's own step; it unscales
@@ -148,10 +157,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.gradient_predivide_factor = gradient_predivide_factor
         self.sparse_as_dense = sparse_as_dense
         self._groups = groups
-        self._names = _parameter_names(optimizer.param_groups, named_parameters)
+        # Horovod's attribute names, which scripts read: each parameter's name, and the backward passes
+        # left before its reduction starts.
+        self._parameter_names = _names_of(optimizer.param_groups, named_parameters)
         self._named = named_parameters is not None
         self._handles = {}  # unit -> [_Reduction] of the unit's gradients
-        self._delay = {}  # param -> backward passes left before its reduction starts
+        self._allreduce_delay = {}
+        self._requires_update = set()  # the parameters whose gradients are reduced (hooked), as in Horovod
         self._ready = {}  # unit -> parameters of it whose reduction may start
         self._touched = set()  # parameters whose gradient backward has produced since the last synchronize
         self._synchronized = False
@@ -194,11 +206,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         added = [p for p in self.optimizer.param_groups[-1]["params"] if p not in before]
         i = len(self.optimizer.param_groups) - 1
         for j, p in enumerate(self.optimizer.param_groups[-1]["params"]):
-            if p in added and p not in self._names:
+            if p in added and p not in self._parameter_names:
                 if self._named:
                     raise ValueError("The added param group has parameters named_parameters did not name; "
                                      "build the DistributedOptimizer after adding param groups.")
-                self._names[p] = f"allreduce.noname.{i}.{j}"
+                self._parameter_names[p] = f"allreduce.noname.{i}.{j}"
         self._add_params(added)
 
     # --- hooks ---------------------------------------------------------------
@@ -211,8 +223,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._ready[unit] = 0
             for p in unit:
                 self._unit_of[p] = unit
-                self._delay[p] = self.backward_passes_per_step
+                self._allreduce_delay[p] = self.backward_passes_per_step
                 if self._hooked:
+                    self._requires_update.add(p)
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._hook()))
 
     def _hook(self):
@@ -227,14 +240,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return hook
 
     def _on_grad_ready(self, p):
-        if self._delay[p] <= 0:
+        if self._allreduce_delay[p] <= 0:
             raise AssertionError(
-                f"The gradient of '{self._names[p]}' was computed more than backward_passes_per_step="
+                f"The gradient of '{self._parameter_names[p]}' was computed more than backward_passes_per_step="
                 f"{self.backward_passes_per_step} times before step(). Pass a larger backward_passes_per_step to "
                 "accumulate gradients over more backward passes, or call step() (or synchronize()) after each.")
         self._touched.add(p)
-        self._delay[p] -= 1
-        if self._delay[p] > 0:
+        self._allreduce_delay[p] -= 1
+        if self._allreduce_delay[p] > 0:
             return
         unit = self._unit_of[p]
         self._ready[unit] += 1
@@ -259,12 +272,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 p.grad = torch.zeros_like(p)
             g = p.grad
             if g.is_sparse and not self.sparse_as_dense:
-                handle = sparse_allreduce_async(g, self._names[p], self.op, process_set=self.process_set)
+                handle = sparse_allreduce_async(g, self._parameter_names[p], self.op, process_set=self.process_set)
                 sparse.append(_Reduction(p, handle, None, None, False))
                 continue
             wire, ctx = self._compression.compress(g.to_dense() if g.is_sparse else g.contiguous())
             dense.append((p, wire, ctx, g.is_sparse))
-        handles = self._allreduce_in_place([wire for _, wire, _, _ in dense], [self._names[p] for p, *_ in dense])
+        names = [self._parameter_names[p] for p, *_ in dense]
+        handles = self._allreduce_in_place([wire for _, wire, _, _ in dense], names)
         self._handles[unit] = sparse + [_Reduction(p, h, *rest) for (p, *rest), h in zip(dense, handles)]
 
     def _allreduce_in_place(self, tensors, names):
@@ -308,8 +322,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _reset(self):
         self._handles.clear()
         self._touched.clear()
-        for p in self._delay:
-            self._delay[p] = self.backward_passes_per_step
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
         for unit in self._ready:
             self._ready[unit] = 0
         self._synchronized = False
@@ -329,8 +343,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if passes < 1:
             raise ValueError(f"backward_passes_per_step={passes}: it must be 1 or more.")
         self.backward_passes_per_step = passes
-        for p in self._delay:
-            self._delay[p] = passes
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = passes
 
     # --- the step ------------------------------------------------------------
 
@@ -343,8 +357,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if self._should_synchronize:
             if self._synchronized:
-                warnings.warn("step() after synchronize() synchronizes again (which waits for nothing but costs "
-                              "time): call step() inside `with optimizer.skip_synchronize():` after synchronize().")
+                warnings.warn(_STEP_WITHOUT_SKIP, stacklevel=2)
             self.synchronize()
         self._synchronized = False
         self.optimizer.step()

@@ -175,6 +175,12 @@ def test_synchronize_clip_then_step_in_skip_synchronize(ranks):
         assert diff < 1e-12
 
 
+# Horovod 0.28's words (horovod/torch/optimizer.py, _DistributedOptimizer.step).
+HOROVOD_STEP_WARNING = ("optimizer.step() called without optimizer.skip_synchronize() context after "
+                        "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
+                        "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code.")
+
+
 def _step_after_synchronize_warns():
     model = _model()
     opt = hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters())
@@ -183,12 +189,56 @@ def _step_after_synchronize_warns():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         opt.step()
-    return [str(w.message) for w in caught]
+    # A filter written for Horovod's warning silences ours.
+    opt.zero_grad()
+    _loss(model, hvd.rank(), 1).backward()
+    opt.synchronize()
+    with warnings.catch_warnings(record=True) as filtered:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", message=r"optimizer\.step\(\) called without optimizer\.skip_synchronize")
+        opt.step()
+    return [(w.category, str(w.message), w.filename) for w in caught], len(filtered)
 
 
-def test_step_after_synchronize_without_skip_synchronize_warns(ranks):
-    for msgs in ranks.run(_step_after_synchronize_warns):
-        assert any("skip_synchronize()" in m for m in msgs), msgs
+def test_step_after_synchronize_without_skip_synchronize_warns_as_horovod_does(ranks):
+    for caught, filtered in ranks.run(_step_after_synchronize_warns):
+        assert [(c, m) for c, m, _ in caught] == [(UserWarning, HOROVOD_STEP_WARNING)], caught
+        assert caught[0][2] == __file__, caught  # it points at the step() call
+        assert filtered == 0
+
+
+def _horovod_attributes(named):
+    """The attributes of Horovod's _DistributedOptimizer that scripts read, after one backward."""
+    model = _model()
+    groups = [{"params": list(model["l1"].parameters())}, {"params": list(model["l2"].parameters()), "lr": 0.05}]
+    kwargs = dict(named_parameters=model.named_parameters()) if named else {}
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(groups, lr=0.1), backward_passes_per_step=2, **kwargs)
+    _loss(model, hvd.rank(), 0).backward()
+    names = {n: p for n, p in model.named_parameters()}
+    return ({k: _name_of(names, p) for p, k in opt._parameter_names.items()},
+            {_name_of(names, p): d for p, d in opt._allreduce_delay.items()},
+            sorted(_name_of(names, p) for p in opt._requires_update),
+            (opt.backward_passes_per_step, opt.op == hvd.Average, opt.gradient_predivide_factor, opt.sparse_as_dense,
+             opt.process_set == hvd.global_process_set, opt._compression is hvd.Compression.none,
+             opt._should_synchronize, opt._synchronized))
+
+
+def _name_of(names, p):
+    return next(n for n, q in names.items() if q is p)
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["named_parameters", "no_names"])
+def test_keeps_the_attributes_of_horovods_distributed_optimizer(ranks, named):
+    params = ["l1.weight", "l1.bias", "l2.weight", "l2.bias"]
+    # Without named_parameters Horovod 0.28 names them allreduce.noname.<group>.<index>.
+    expected = {n: n for n in params} if named else {
+        "allreduce.noname.0.0": "l1.weight", "allreduce.noname.0.1": "l1.bias",
+        "allreduce.noname.1.0": "l2.weight", "allreduce.noname.1.1": "l2.bias"}
+    for names, delay, requires_update, plain in ranks.run(_horovod_attributes, named):
+        assert names == expected, names
+        assert delay == {n: 1 for n in params}, delay  # one of the two backward passes done
+        assert requires_update == sorted(params), requires_update
+        assert plain == (2, True, 1.0, False, True, True, True, False), plain
 
 
 def _sparse_embedding_training(sparse_as_dense):

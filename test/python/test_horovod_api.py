@@ -142,6 +142,65 @@ def test_broadcast_optimizer_state_refuses_different_optimizers_on_every_rank(ra
         assert msg is not None and "build the same optimizer" in msg, msg
 
 
+class _ModelNoGrad(torch.nn.Module):
+    """Horovod's test_broadcast_state_no_grad model: an integer parameter that takes no
+    gradient, and a float one."""
+
+    def __init__(self, a, b):
+        super().__init__()
+        self.a = torch.nn.Parameter(a.int(), requires_grad=False)
+        self.b = torch.nn.Parameter(b)
+
+    def forward(self, x):
+        return torch.index_select(self.b, 0, self.a.long()) * x
+
+
+def _broadcast_state_no_grad(wrap, backward_first):
+    """Horovod's test, and what its dummy step leaves: the float parameter's gradient present
+    and the same on every rank, the integer one's None; our weights unmoved by it."""
+    r = hvd.rank()
+    model = _ModelNoGrad(torch.tensor([1.0, 3.0]), torch.rand(4, generator=torch.Generator().manual_seed(r)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.001, weight_decay=1e-6, momentum=0.9, nesterov=True)
+    if wrap:
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    before = model.b.detach().clone()
+    if backward_first:  # a rank's own gradient, different on every rank, must not survive
+        model.b.grad = torch.full((4,), float(r + 1))
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    grad = opt.param_groups[0]["params"][1].grad
+    bgrad = hvd.broadcast(grad, root_rank=0, name=f"no_grad.{wrap}.{backward_first}")
+    return (opt.param_groups[0]["params"][0].grad is None, bool(torch.equal(grad, bgrad)), grad.tolist(),
+            torch.equal(model.b.detach(), before), len(opt.state))
+
+
+@pytest.mark.parametrize("wrap", [True, False], ids=["distributed_optimizer", "torch_optimizer"])
+@pytest.mark.parametrize("backward_first", [False, True], ids=["fresh", "after_backward"])
+def test_broadcast_state_of_an_optimizer_that_never_stepped_leaves_equal_gradients(ranks, wrap, backward_first):
+    for int_grad_none, equal, grad, unmoved, state in ranks.run(_broadcast_state_no_grad, wrap, backward_first):
+        assert int_grad_none and equal, (int_grad_none, equal)
+        assert grad == [0.0] * 4, grad  # Horovod's dummy step leaves zeros
+        assert unmoved and state == 0  # but no step: no weight decay, no momentum buffers
+
+
+def _stepped_ranks_keep_their_gradients():
+    """A rank whose optimizer has state keeps its gradients (Horovod's rule); a rank without state gets zeros."""
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if hvd.rank() == 0:
+        model(torch.ones(1, 3)).sum().backward()
+        opt.step()
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 7.0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    return [float(p.grad.abs().max()) for p in model.parameters()]
+
+
+def test_only_ranks_without_state_get_zero_gradients(ranks):
+    for r, grads in enumerate(ranks.run(_stepped_ranks_keep_their_gradients)):
+        assert grads == ([7.0, 7.0] if r == 0 else [0.0, 0.0]), (r, grads)
+
+
 # --- sparse allreduce --------------------------------------------------------------
 
 def _sparse_input(k, nnz):

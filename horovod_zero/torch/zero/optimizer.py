@@ -44,7 +44,7 @@ from horovod_zero.torch.zero.core.weak import weak_hook
 from horovod_zero.torch.zero.offload.host_step import HostStep
 from horovod_zero.torch.zero.options import ZeroOptions
 from horovod_zero.torch.zero.stage3.hooks import Stage3
-from horovod_zero.torch.zero.state import rank_state
+from horovod_zero.torch.zero.state import full_state, rank_state
 from horovod_zero.torch.zero.state.view import ShardedStateView
 from horovod_zero.torch.zero.wrap import guard, meta_init, placement
 from horovod_zero.torch.zero.wrap.cast import cast_floating
@@ -366,6 +366,7 @@ class DistributedZeroOptimizer:
         for mp in self._storage.master_params:
             mp.grad = None
         self._step.clear()
+        self.sharded_state.loaded_full = None  # training began: no broadcast of a loaded full state comes
 
     # --- state -------------------------------------------------------------
 
@@ -382,7 +383,18 @@ class DistributedZeroOptimizer:
         return rank_state.save(self.sharded_state)
 
     def load_state_dict(self, state):
-        rank_state.load(self.sharded_state, state)
+        """Loads what state_dict() returned on this rank (every rank calls it, each with its
+        own), or a full optimizer state: a torch optimizer's state_dict() (parameters by
+        position, as a plain optimizer or hvd.DistributedOptimizer saves it) or the
+        'optimizer' of hvd.zero.consolidated_state_dict (by name). A full state is loaded
+        locally, this rank taking its shard of it: load it on every rank, or on the root and
+        then call hvd.broadcast_optimizer_state(opt, root_rank) on every rank. The optimizer
+        keeps the full state (a reference, not a copy) for that broadcast until it runs or
+        the next zero_grad()."""
+        if full_state.is_rank_shard(state):
+            rank_state.load(self.sharded_state, state)
+        else:
+            full_state.load(self.sharded_state, state)
 
     def offload_stats(self):
         """Bytes moved by offload since construction: "d2h_bytes" (gradient shards to the

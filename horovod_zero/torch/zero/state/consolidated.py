@@ -99,14 +99,14 @@ def _not_consolidated(state, source):
     return None
 
 
-def _share_structure(state, source, scope, failure=None):
-    """Rank 0's state without its tensors, on every rank, plus (rank 0 only) the
-    tensors. Rank 0 sends either the structure or why it has none (`failure` while
-    reading `source`, or a state that is no checkpoint); then every rank raises."""
+def _share_structure(state, source, scope, failure=None, check=_not_consolidated):
+    """The root's state without its tensors, on every rank, plus (root only) the
+    tensors. The root sends either the structure or why it has none (`failure` while
+    reading `source`, or what `check` finds wrong with it); then every rank raises."""
     tensors = []
     if scope.is_root():
         problem = (f"reading {source} failed with {type(failure).__name__}: {failure}" if failure is not None
-                   else _not_consolidated(state, source))
+                   else check(state, source))
         if problem is None:
             skeleton, tensors = _strip(state)
             payload = {"structure": skeleton}
@@ -185,29 +185,11 @@ def _load_into(state, model, view, source, failure):
     skeleton, tensors = _share_structure(state, source, view.scope, failure)
     order = _check_fits(skeleton, view)
     state = _fill(skeleton, tensors, view.device, view.scope)
-    inner = view.inner
     model_state, opt_state = state["model"], state["optimizer"]
-    r = view.rank
     with torch.no_grad():
         for s, mp in zip(view.shards, view.masters):
-            full = model_state[s.name].reshape(-1).float()
-            padded = torch.zeros(s.padded, dtype=torch.float32)
-            padded[:s.numel] = full
-            mp.copy_(padded[r * s.shard:(r + 1) * s.shard].to(mp.device))
-            entry = {}
-            for key, value in opt_state["state"].get(s.name, {}).items():
-                if torch.is_tensor(value) and value.numel() == s.numel and value.dim() > 0:
-                    pv = torch.zeros(s.padded, dtype=value.dtype)
-                    pv[:s.numel] = value.reshape(-1)
-                    entry[key] = pv[r * s.shard:(r + 1) * s.shard].to(mp.device).clone()
-                else:
-                    entry[key] = value.clone() if torch.is_tensor(value) else value
-            if entry:
-                inner.state[mp] = entry
-        for group, i in zip(inner.param_groups, order):
-            for k, v in opt_state["param_groups"][i].items():
-                if k not in ("params", "param_names"):
-                    group[k] = v
+            mp.copy_(shard_of(model_state[s.name], s, view.rank, torch.float32, mp.device))
+        load_optimizer_shards(view, opt_state, order)
         if model is not None:
             named = dict(model.named_parameters(remove_duplicate=False))  # tied names too
             others = {k: v for k, v in model_state.items() if k not in named}
@@ -219,6 +201,43 @@ def _load_into(state, model, view, source, failure):
         view.loss_scaler.load_state_dict(meta["loss_scaler"])
     view.set_step_count(meta.get("step_count"))
     view.publish()
+
+
+def shard_of(full, s, rank, dtype, device):
+    """Rank `rank`'s shard of parameter `s` cut from `full` (any tensor of its numel):
+    elements [rank * shard, (rank + 1) * shard) of the flattened tensor, zero-padded."""
+    lo, hi = s.my_range(rank)
+    out = torch.zeros(s.shard, dtype=dtype, device=device)
+    out[:hi - lo] = full.reshape(-1)[lo:hi]
+    return out
+
+
+def load_optimizer_shards(view, opt_state, order, keep=()):
+    """Loads this rank's part of a full (unsharded) optimizer state into the inner
+    optimizer: `opt_state` is {"state": {name: {key: value}}, "param_groups": [{..., "params":
+    [names]}]}, its tensors shaped like their parameters. A state tensor with a parameter's
+    number of elements is cut to this rank's shard (floating-point ones in the masters'
+    dtype); other values (a step count) are copied. A parameter without state there has
+    none here afterwards. Param group g takes the hyperparameters of the saved group
+    order[g], except the `keep` keys. Call it inside view.materialized(write_back=True)."""
+    inner = view.inner
+    with torch.no_grad():
+        for s, mp in zip(view.shards, view.masters):
+            entry = {}
+            for key, value in opt_state["state"].get(s.name, {}).items():
+                if torch.is_tensor(value) and value.numel() == s.numel and value.dim() > 0:
+                    dtype = mp.dtype if value.is_floating_point() else value.dtype
+                    entry[key] = shard_of(value, s, view.rank, dtype, mp.device)
+                else:
+                    entry[key] = value.clone() if torch.is_tensor(value) else value
+            if entry:
+                inner.state[mp] = entry
+            else:
+                inner.state.pop(mp, None)
+        for group, i in zip(inner.param_groups, order):
+            for k, v in opt_state["param_groups"][i].items():
+                if k not in ("params", "param_names") and k not in keep:
+                    group[k] = v
 
 
 def save_file(path, model, opt):

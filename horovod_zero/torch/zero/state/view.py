@@ -34,6 +34,9 @@ class ShardedStateView:
         # The optimizer's DCP save still writing in the background (sharded_checkpoint.py), or None:
         # the next save or load finishes it first.
         self.pending_save = None
+        # A full optimizer state this rank loaded with opt.load_state_dict() (state/full_state.py), and
+        # the step count then, until hvd.broadcast_optimizer_state() gives it to the other ranks.
+        self.loaded_full = None
 
     @property
     def shards(self) -> List[ParamShard]:
