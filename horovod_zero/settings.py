@@ -76,12 +76,14 @@ class _Bool:
 
 
 @dataclass(frozen=True)
-class _Text:
+class _TimelinePath:
+    """A path, or Horovod's DYNAMIC: no file until hvd.start_timeline()."""
+
     def accepts(self) -> str:
-        return "any text"
+        return "a path, or DYNAMIC"
 
     def __call__(self, text: str):
-        return text
+        return "" if text == "DYNAMIC" else text
 
 
 @dataclass(frozen=True)
@@ -121,8 +123,11 @@ VARIABLES = (
              "250 ms; new work starts a cycle at once"),
     Variable("HOROVOD_CACHE_CAPACITY", "cache_capacity", "core", _Number(int, 0, 1 << 20), 1024,
              "response cache entries; 0 turns the cache off"),
-    Variable("HOROVOD_TIMELINE", "timeline_path", "core", _Text(), "",
-             "path of a Chrome-trace JSON timeline written by rank 0; unset: none"),
+    Variable("HOROVOD_TIMELINE", "timeline_path", "core", _TimelinePath(), "",
+             "path of a Chrome-trace JSON timeline written by rank 0; unset or DYNAMIC: none until "
+             "hvd.start_timeline()"),
+    Variable("HOROVOD_TIMELINE_MARK_CYCLES", "timeline_mark_cycles", "core", _Bool(), False,
+             "1: the timeline marks the start of each negotiation cycle (CYCLE_START)"),
     Variable("HOROVOD_LOG_LEVEL", "log_level", "core",
              _Choice(("trace", "debug", "info", "warning", "error", "fatal")), "warning",
              "least severe messages printed (stderr); debug and trace show negotiation, fusion and transports"),
@@ -189,6 +194,7 @@ class Settings:
     cycle_time_ms: float
     cache_capacity: int
     timeline_path: str
+    timeline_mark_cycles: bool
     log_level: str
     stall_check_seconds: float
     stall_shutdown_seconds: float

@@ -331,6 +331,16 @@ class PyRuntime {
     rt_->Shutdown();
   }
 
+  // hvd.start_timeline (a path) / stop_timeline (empty).
+  void SetTimeline(const std::string& path, bool mark_cycles) {
+    Status s;
+    {
+      py::gil_scoped_release nogil;  // until the background thread has switched
+      s = rt_->SetTimeline(path, mark_cycles);
+    }
+    Check(s);
+  }
+
   py::list Stats() {
     py::list out;
     for (const auto& kv : rt_->counters().Snapshot()) {
@@ -356,6 +366,7 @@ class PyRuntime {
     d["cycle_time_ms"] = p.cycle_time_ms;
     d["cache_capacity"] = p.cache_capacity;
     d["timeline"] = p.timeline_path;
+    d["timeline_mark_cycles"] = p.timeline_mark_cycles;
     d["stall_check_seconds"] = p.stall_check_seconds;
     d["stall_shutdown_seconds"] = p.stall_shutdown_seconds;
     d["gloo_timeout_seconds"] = p.transport_timeout_seconds;
@@ -548,6 +559,7 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("cycle_time_ms", &Params::cycle_time_ms)
       .def_readwrite("cache_capacity", &Params::cache_capacity)
       .def_readwrite("timeline_path", &Params::timeline_path)
+      .def_readwrite("timeline_mark_cycles", &Params::timeline_mark_cycles)
       .def_property(
           "log_level", [](const Params& p) { return std::string(LogLevelName(p.log_level)); },
           [](Params& p, const std::string& s) {
@@ -581,6 +593,7 @@ PYBIND11_MODULE(_core, m) {
       .def("wait_all", &PyRuntime::WaitAll)
       .def("poll", &PyRuntime::Poll)
       .def("shutdown", &PyRuntime::Shutdown)
+      .def("set_timeline", &PyRuntime::SetTimeline, py::arg("path"), py::arg("mark_cycles"))
       .def("stats", &PyRuntime::Stats)
       .def("reset_stats", &PyRuntime::ResetStats)
       .def("info", &PyRuntime::Info);

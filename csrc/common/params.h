@@ -14,7 +14,8 @@ struct Params {
   int64_t fusion_threshold_bytes = 128ll * 1024 * 1024;  // HOROVOD_FUSION_THRESHOLD; 0: no fusion
   double cycle_time_ms = 1.0;                            // HOROVOD_CYCLE_TIME
   int cache_capacity = 1024;                             // HOROVOD_CACHE_CAPACITY; 0: no cache
-  std::string timeline_path;                             // HOROVOD_TIMELINE
+  std::string timeline_path;                             // HOROVOD_TIMELINE; empty: none yet
+  bool timeline_mark_cycles = false;                     // HOROVOD_TIMELINE_MARK_CYCLES
   LogLevel log_level = LogLevel::kWarning;               // HOROVOD_LOG_LEVEL
   double stall_check_seconds = 60.0;                     // HOROVOD_STALL_CHECK_TIME_SECONDS
   double stall_shutdown_seconds = 0.0;                   // HOROVOD_STALL_SHUTDOWN_TIME_SECONDS

@@ -45,7 +45,7 @@ __device__ __forceinline__ D Convert(S v, double scale) {
     if constexpr (std::is_same<D, double>::value) return x;
     else return FromFloat<D>(static_cast<float>(x));
   } else {
-    return FromFloat<D>(ToFloat<S>(v) * static_cast<float>(scale));
+    return FromFloat<D>(static_cast<float>(scale) * ToFloat<S>(v));
   }
 }
 
@@ -86,6 +86,10 @@ __global__ void BatchedCopyKernel(Batch b) {
 template <typename S, typename D>
 cudaError_t Launch(const CopyDesc* descs, int n, double scale, cudaStream_t stream) {
   constexpr int64_t kPerBlock = static_cast<int64_t>(kThreads) * VecWidth<S, D>() * 4;
+  // fp16 scales in fp16, as Horovod's kernels do ([Note: scale arithmetic]): the
+  // factor rounded to fp16, the product (exact in float) rounded once.
+  if constexpr (std::is_same<S, __half>::value && std::is_same<D, __half>::value)
+    scale = __half2float(__float2half_rn(static_cast<float>(scale)));
   for (int base = 0; base < n; base += kMaxCopies) {
     Batch b{};
     b.n = std::min(kMaxCopies, n - base);

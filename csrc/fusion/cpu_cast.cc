@@ -84,25 +84,27 @@ template <typename T> inline void Store(T* p, double v) {
 template <> inline void Store<BF16>(BF16* p, double v) { p->bits = FloatToBFloat16(static_cast<float>(v)); }
 template <> inline void Store<F16>(F16* p, double v) { p->bits = FloatToHalf(static_cast<float>(v)); }
 
+// The arithmetic of a scale is Horovod's ScaleBuffer's ([Note: scale arithmetic]):
+// between floating-point types other than double, in float with the factor rounded
+// to float, one rounding at the store; with a double or an integer side, in double.
 template <typename S, typename D>
 void CopyOne(const CopyDesc& d, double scale) {
   const S* s = static_cast<const S*>(d.src);
   D* o = static_cast<D*>(d.dst);
-  constexpr bool kHalfish = std::is_same<S, BF16>::value || std::is_same<S, F16>::value ||
-                            std::is_same<D, BF16>::value || std::is_same<D, F16>::value;
-  if (kHalfish && !std::is_same<S, double>::value && !std::is_same<D, double>::value) {
-    // Half types compute in float: one rounding, as torch does on the CPU.
+  constexpr bool kInFloat = !std::is_integral<S>::value && !std::is_integral<D>::value &&
+                            !std::is_same<S, double>::value && !std::is_same<D, double>::value;
+  if constexpr (kInFloat) {
     const float fs = static_cast<float>(scale);
     for (int64_t i = 0; i < d.count; ++i) {
       float v = static_cast<float>(Load<S>(s[i]));
-      Store<D>(o + i, scale == 1.0 ? v : v * fs);
+      Store<D>(o + i, scale == 1.0 ? v : fs * v);
     }
     return;
   }
   if (scale == 1.0) {
     for (int64_t i = 0; i < d.count; ++i) Store<D>(o + i, Load<S>(s[i]));
   } else {
-    for (int64_t i = 0; i < d.count; ++i) Store<D>(o + i, Load<S>(s[i]) * scale);
+    for (int64_t i = 0; i < d.count; ++i) Store<D>(o + i, scale * Load<S>(s[i]));
   }
 }
 

@@ -15,8 +15,9 @@ float BFloat16ToFloat(uint16_t h);
 uint16_t FloatToHalf(float f);
 float HalfToFloat(uint16_t h);
 
-// dst[i] = cast<dst_type>(src[i] * scale) for every descriptor, the product in
-// double (float for 16-bit floats); integers truncate toward zero, as in Horovod.
+// dst[i] = cast<dst_type>(scale * src[i]) for every descriptor, as Horovod's
+// ScaleBuffer computes it: in double where either side is double or an integer
+// (integers truncate toward zero), else in float with the factor rounded to float.
 // src may equal dst (in place).
 void CpuBatchedCopy(const std::vector<CopyDesc>& descs, DataType src_type, DataType dst_type,
                     double scale);

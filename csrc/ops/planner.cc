@@ -4,6 +4,21 @@
 
 namespace hvdz {
 
+// [Note: scale arithmetic]
+// Scales and Average compute as Horovod's do, bit for bit (horovod/common/ops:
+// ScaleBuffer, its CUDA kernels, the Gloo and NCCL ops): prescale multiplies each
+// rank's input in the tensor's own dtype before the sum, postscale the result after
+// it. fp64 multiplies in double, fp32 by (float) factor in float, integers in double
+// truncated toward zero, fp16 on the CPU in float by (float) factor with one
+// rounding, fp16 on the GPU in fp16 by the factor rounded to fp16 (cpu_cast.cc,
+// batched_copy.cu). Average adds 1 / size to the postscale, computed in double,
+// except for an allreduce on NCCL, which Horovod runs as ncclAvg: NCCL multiplies
+// each rank's input by (dtype)(1 / size) before the sum, and the postscale stays the
+// user's. Horovod has no bf16: ours scales it as the CPU scales fp16, on the GPU
+// too, and averages it after the sum everywhere, as (bf16)(1 / 3) would bias a
+// three-rank average by 0.2%. A copy that also casts (ZeRO's fp32 shards gathered
+// as bf16) computes in double if either dtype is double, else in float.
+
 Planner::Planner(int rank, int size, int direct_max_tensors)
     : rank_(rank),
       size_(size),
@@ -31,10 +46,12 @@ Status Planner::Plan(DeviceContext& ctx, const std::vector<const Response*>& gro
   p->wire = r.out_dtype;
   p->root = r.root;
   p->on_cuda = r.on_cuda;
-  // Communicators know Sum, not Average: Average is Sum with postscale / size.
+  // Average: see [Note: scale arithmetic].
   const bool average = r.reduce_op == ReduceOp::kAverage;
-  p->reduce_op = average ? ReduceOp::kSum : r.reduce_op;
-  const double postscale = average ? r.postscale / size_ : r.postscale;
+  const bool native = average && r.op == OpType::kAllreduce && r.out_dtype != DataType::kBFloat16 &&
+                      ctx.comm().AveragesNatively();
+  p->reduce_op = average && !native ? ReduceOp::kSum : r.reduce_op;
+  const double postscale = average && !native ? r.postscale / size_ : r.postscale;
   // Only reductions scale: prescale on the way in, postscale on the way out.
   const bool reduces = r.op == OpType::kAllreduce || r.op == OpType::kReducescatter;
   p->in = {{}, r.dtype, r.out_dtype, reduces ? r.prescale : 1.0};

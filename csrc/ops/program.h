@@ -38,7 +38,7 @@ struct CollectiveCall {
 
 struct Program {
   OpType op = OpType::kAllreduce;
-  ReduceOp reduce_op = ReduceOp::kSum;  // Sum, Min or Max: Average is Sum with a postscale
+  ReduceOp reduce_op = ReduceOp::kSum;  // Average only where [Note: scale arithmetic] keeps it
   DataType wire = DataType::kFloat32;   // the dtype of every call
   int root = 0;                         // broadcast only
   bool on_cuda = false;                 // for the counters

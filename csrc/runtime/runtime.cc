@@ -39,7 +39,7 @@ Runtime::~Runtime() { Shutdown(); }
 
 Status Runtime::Start() {
   // Like Horovod, rank 0 writes the timeline: one file, the coordinator's view.
-  if (world_.rank == 0 && !timeline_.Open(params_.timeline_path, world_.rank))
+  if (world_.rank == 0 && !timeline_.Open(params_.timeline_path, world_.rank, params_.timeline_mark_cycles))
     return Status::InvalidArgument("Cannot open HOROVOD_TIMELINE file '" + params_.timeline_path + "'.");
   thread_ = std::thread([this] {
     UseFineTimerSlack();
@@ -60,6 +60,15 @@ void Runtime::Shutdown() {
     for (auto& kv : sets_) kv.second->AbortCuda();
   for (auto& kv : sets_) kv.second->DropCuda();  // drains in-flight CUDA work before the communicators go
   timeline_.Close();
+}
+
+// See [Note: timeline at run time]. Like Horovod, only rank 0 writes a timeline.
+Status Runtime::SetTimeline(const std::string& path, bool mark_cycles) {
+  if (world_.rank != 0) return Status::OK();
+  // A cycle may wait on the other ranks up to the transport timeout.
+  const auto timeout = std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double>(params_.transport_timeout_seconds + 5.0));
+  return timeline_.Switch(path, mark_cycles, [this] { queue_.Wake(); }, timeout);
 }
 
 Status Runtime::CheckDevice(const TensorEntry& e) {
@@ -263,6 +272,7 @@ void Runtime::Loop() {
   Clock::duration idle_period = Clock::duration::zero();
   while (true) {
     auto start = Clock::now();
+    timeline_.StartCycle();
     CycleResult result;
     bool busy = false;
     Status s = RunCycles(queue_.PopNewRequests(), &busy, &result);
@@ -283,6 +293,7 @@ void Runtime::Loop() {
     queue_.WaitForWork(start + NextWait(busy, result.peers_pending, &idle_period));
   }
   queue_.Close(stopped);
+  timeline_.Orphan();
 }
 
 // See [Note: process sets]: the global set first (it carries shutdown, join and the

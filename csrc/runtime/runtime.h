@@ -74,6 +74,9 @@ class Runtime {
   Status RemoveProcessSet(int32_t id, const TensorDesc& carrier, std::shared_ptr<void> keepalive, int64_t* handle);
   // The set's size, or -1 when there is no such set.
   int ProcessSetSize(int32_t id) const;
+  // hvd.start_timeline (a path) and stop_timeline (empty): rank 0 writes from the
+  // next cycle on; returns once it does. Other ranks do nothing.
+  Status SetTimeline(const std::string& path, bool mark_cycles);
   // Asks every rank to stop and waits for the background thread.
   void Shutdown();
 

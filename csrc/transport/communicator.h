@@ -20,7 +20,9 @@ inline MovedAs MoveAs(DataType t) {
   return t == DataType::kInt16 ? MovedAs{DataType::kUInt8, 2} : MovedAs{t, 1};
 }
 
-// Only Sum, Min, Max and Product reach a communicator: Average is Sum with a postscale.
+// Sum, Min, Max and Product reach every communicator. Average reaches only an
+// allreduce of one that AveragesNatively(); elsewhere it is Sum with a postscale
+// (see [Note: scale arithmetic]).
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -41,6 +43,9 @@ class Communicator {
   // Gloo's sends]). A direct group of such an op goes inside one group; otherwise
   // its calls run one after another (see [Note: direct groups]).
   virtual bool Groups(OpType) const { return false; }
+  // Whether Allreduce takes ReduceOp::kAverage, as NCCL's ncclAvg does: each rank's
+  // input times (dtype)(1 / size), then the sum.
+  virtual bool AveragesNatively() const { return false; }
   virtual Status GroupStart() { return Status::OK(); }
   virtual Status GroupEnd() { return Status::OK(); }
 };

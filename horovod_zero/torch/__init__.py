@@ -70,6 +70,7 @@ from horovod_zero.torch.sparse import sparse_allreduce_async
 from horovod_zero.torch.sync_batch_norm import SyncBatchNorm
 from horovod_zero.torch.alltoall import alltoall, alltoall_async
 from horovod_zero.torch.join import join
+from horovod_zero.torch.timeline import start_timeline, stop_timeline
 from horovod_zero.torch import zero
 from horovod_zero.torch import elastic
 from horovod_zero.torch.zero import DistributedZeroOptimizer

@@ -67,5 +67,13 @@ TEST(CpuCast, BatchedCopyCastsAndScalesEveryRange) {
   EXPECT_EQ(d[0], 0.5);
 }
 
+// Horovod's ScaleBuffer: fp32 multiplies by (float) factor in float, not in double.
+TEST(CpuCast, Float32ScalesInFloatWithTheFactorRoundedToFloat) {
+  std::vector<float> x{1.37f}, out(1);
+  CpuBatchedCopy({{x.data(), out.data(), 1}}, DataType::kFloat32, DataType::kFloat32, 0.1);
+  EXPECT_EQ(out[0], 0.1f * 1.37f);
+  EXPECT_NE(out[0], static_cast<float>(0.1 * static_cast<double>(1.37f)));  // the two differ here
+}
+
 }  // namespace
 }  // namespace hvdz

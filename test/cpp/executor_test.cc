@@ -306,11 +306,12 @@ void Rank::ExpectCost(const GroupSpec& g, size_t copies_before, size_t buffers_b
 
 // Runs `groups` in order on every rank and checks each one's results and cost.
 void RunAndCheck(const std::vector<GroupSpec>& groups, bool comm_groups, int size = 3,
-                 std::vector<OpType> group_only = {}) {
+                 std::vector<OpType> group_only = {}, bool comm_averages = false) {
   testing::CollectiveHub hub(size);
   testing::Spawn(size, [&](int r) {
     Rank k(hub, r, comm_groups);
     k.comm.GroupOnly(group_only);
+    k.comm.AverageNatively(comm_averages);
     for (const auto& g : groups) {
       const size_t copies = k.ctx.copies.size(), buffers = k.ctx.buffers.size(), launches = k.comm.launches().size();
       k.counters.Reset();
@@ -490,6 +491,38 @@ TEST(Executor, OnACommunicatorThatGroupsOnlyScatterAndGatherAllreduceFuses) {
     gs.push_back(g);
   }
   RunAndCheck(gs, /*comm_groups=*/true, 3, {kRS, kAG});
+}
+
+// See [Note: scale arithmetic]: on a communicator that averages (NCCL's ncclAvg),
+// an allreduce's Average is the communicator's, and only a user's postscale is left
+// to copy out; bf16 and reducescatter still add 1 / size to the postscale.
+TEST(Executor, ACommunicatorThatAveragesTakesAllreduceAveragesButNotBf16OrReducescatter) {
+  std::vector<GroupSpec> gs;
+  {  // in place, nothing to copy at all
+    auto g = Group(kAR, kF32, kF32, {T("avg.ar", {6}, Out::kInPlace)});
+    g.reduce_op = ReduceOp::kAverage;
+    g.cost = {0, -1, 0, 0, 1, false, 6 * 4};
+    gs.push_back(g);
+  }
+  {  // the user's postscale only, in place
+    auto g = Group(kAR, kF64, kF64, {T("avg.ar.post", {5}, Out::kInPlace)});
+    g.reduce_op = ReduceOp::kAverage, g.postscale = 2.0;
+    g.cost = {0, -1, 1, 0, 1, false, 5 * 8};
+    gs.push_back(g);
+  }
+  {  // bf16: Sum, then postscale / size
+    auto g = Group(kAR, kBF16, kBF16, {T("avg.ar.bf16", {4}, Out::kInPlace)});
+    g.reduce_op = ReduceOp::kAverage;
+    g.cost = {0, -1, 1, 0, 1, false, 4 * 2};
+    gs.push_back(g);
+  }
+  {  // reducescatter: Sum, then postscale / size
+    auto g = Group(kRS, kF32, kF32, {T("avg.rs", {6, 2})});
+    g.reduce_op = ReduceOp::kAverage;
+    g.cost = {0, -1, 1, 0, 1, false, 12 * 4};
+    gs.push_back(g);
+  }
+  RunAndCheck(gs, /*comm_groups=*/false, 3, {}, /*comm_averages=*/true);
 }
 
 TEST(Executor, ALoneEvenAllgatherSendsFromItsSlotOfTheOutput) {

@@ -89,7 +89,7 @@ std::vector<double> CollectiveHub::Result(int rank, const PostedCall& mine) cons
                                          : LoadElement(posted_[r].send, mine.dtype, rank * n + j); };
         double acc = at(0);
         for (int r = 1; r < size_; ++r) acc = reduce(acc, at(r));
-        out[j] = acc;
+        out[j] = mine.reduce_op == ReduceOp::kAverage ? acc / size_ : acc;
       }
       break;
     case OpType::kAllgather:
@@ -166,6 +166,7 @@ Status ThreadCommunicator::GroupEnd() {
 }
 
 Status ThreadCommunicator::Allreduce(void* buf, int64_t count, DataType dtype, ReduceOp op) {
+  if (op == ReduceOp::kAverage && !averages_) return Status::Error("Average reached a communicator that does not average");
   return Post({OpType::kAllreduce, buf, buf, count, dtype, op, 0});
 }
 
@@ -174,6 +175,7 @@ Status ThreadCommunicator::Allgather(const void* in, void* out, int64_t count, D
 }
 
 Status ThreadCommunicator::ReduceScatter(const void* in, void* out, int64_t count, DataType dtype, ReduceOp op) {
+  if (op == ReduceOp::kAverage) return Status::Error("Average reached a reducescatter");
   return Post({OpType::kReducescatter, in, out, count, dtype, op, 0});
 }
 

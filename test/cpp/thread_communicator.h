@@ -69,6 +69,9 @@ class ThreadCommunicator : public Communicator {
   }
   // Groups only these ops, as the Gloo communicator groups reduce-scatter and allgather only.
   void GroupOnly(std::vector<OpType> ops) { group_only_ = std::move(ops); }
+  // Takes Average in allreduce, as NCCL does; otherwise Average is refused.
+  void AverageNatively(bool on) { averages_ = on; }
+  bool AveragesNatively() const override { return averages_; }
   Status GroupStart() override;
   Status GroupEnd() override;
 
@@ -86,6 +89,7 @@ class ThreadCommunicator : public Communicator {
   int rank_;
   bool groups_;
   std::vector<OpType> group_only_;  // empty: every op
+  bool averages_ = false;
   int64_t fail_count_ = -1;
   bool in_group_ = false;
   bool group_failed_ = false;

@@ -38,6 +38,7 @@ BAD = [
     ("HOROVOD_ZERO_PREFETCH", "-1", "an integer >= 0"),
     ("HOROVOD_ZERO_FUSED_STEP", "maybe", "1 or 0"),
     ("HOROVOD_ZERO_EXACT_GRADIENTS", "2", "1 or 0"),
+    ("HOROVOD_TIMELINE_MARK_CYCLES", "yes", "1 or 0"),
 ]
 
 
@@ -74,6 +75,9 @@ def test_defaults_and_accepted_spellings():
     s = settings.read({"HOROVOD_LOG_LEVEL": "DEBUG", "HOROVOD_ZERO_SHM_CONTROL": "0", "HOROVOD_CYCLE_TIME": "",
                        "HOROVOD_FUSION_THRESHOLD": " 0 "})
     assert (s.log_level, s.shm_control, s.cycle_time_ms, s.fusion_threshold_bytes) == ("debug", False, 1.0, 0)
+    # Horovod's HOROVOD_TIMELINE=DYNAMIC: no file until hvd.start_timeline().
+    s = settings.read({"HOROVOD_TIMELINE": "DYNAMIC", "HOROVOD_TIMELINE_MARK_CYCLES": "1"})
+    assert (s.timeline_path, s.timeline_mark_cycles) == ("", True)
 
 
 def test_the_core_params_object_refuses_an_unknown_log_level():

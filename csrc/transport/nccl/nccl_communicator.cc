@@ -29,6 +29,9 @@ ncclRedOp_t ToNccl(ReduceOp op) {
     case ReduceOp::kMin: return ncclMin;
     case ReduceOp::kMax: return ncclMax;
     case ReduceOp::kProduct: return ncclProd;
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 10, 0)
+    case ReduceOp::kAverage: return ncclAvg;
+#endif
     default: return ncclSum;
   }
 }

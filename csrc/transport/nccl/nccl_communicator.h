@@ -41,6 +41,7 @@ class NcclCommunicator : public Communicator {
   Status Alltoall(const void* in, void* out, const std::vector<int64_t>& send_counts,
                   const std::vector<int64_t>& recv_counts, DataType dtype) override;
   bool Groups(OpType) const override { return true; }
+  bool AveragesNatively() const override { return NCCL_VERSION_CODE >= NCCL_VERSION(2, 10, 0); }  // ncclAvg
   Status GroupStart() override;
   Status GroupEnd() override;
 
