@@ -13,6 +13,7 @@ from horovod_zero.runner.rendezvous import make_gloo_backend, make_store, shm_co
 from horovod_zero.runner.world import World, detect_world
 
 from horovod_zero.native import core as _core
+from horovod_zero.torch import peer_failure
 
 
 class _State:
@@ -94,6 +95,9 @@ def shutdown():
     _state.store = None
 
 
+# atexit runs the last registered first: shutdown(), then the wait that lets a failed peer be
+# reported first (peer_failure.py).
+atexit.register(lambda: peer_failure.wait_at_exit(_state.elastic))
 atexit.register(shutdown)
 
 
