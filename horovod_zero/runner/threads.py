@@ -2,7 +2,8 @@
 
 torch gives every process as many intra-op threads as the machine has cores. With several
 ranks on a host that oversubscribes the cores: on 2 cores with 2 ranks, Horovod's synthetic
-benchmark (resnet18, CPU) ran at 2.8 images/s per rank instead of 8.3 with one thread each.
+benchmark (resnet18, CPU) was reported at 2.8 images/s per rank instead of 8.3 with one thread
+each (docs/benchmarks.md, "Threads per rank on the CPU").
 torchrun sets OMP_NUM_THREADS=1 for each of several local workers; horovodrun, mpirun and srun
 set nothing. Where the user set nothing either, hvd.init() gives each rank its share of the
 cores it may run on: usable cores // local ranks (at least 1).
