@@ -4,7 +4,8 @@
 # build and test tools and Horovod's launcher, then the C++ core and extension.
 # It also installs the Debian packages the build and tests use (liburing for NVMe
 # offload, GoogleTest, Open MPI's mpirun) when they are missing and apt-get can be
-# run, and makes `horovodrun` and `import horovod_zero` work in the environment.
+# run, and makes `horovodrun`, `import horovod_zero` and `import horovod.torch` (as
+# horovod_zero's API) work in the environment.
 # Prints one `[setup]` line per stage on stderr, and the environment's python as the
 # last line of stdout (test/run.sh and examples/run.sh read it). Each stage's full
 # output goes to build/setup.log.
@@ -72,11 +73,13 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 # This checkout is importable from the environment (as an editable install would
-# make it), and the environment's horovodrun is ours: Horovod's own refuses to
-# start without its C++ extensions, which horovod_zero replaces
-# (horovod_zero/runner/launch.py runs Horovod's launcher code in Gloo mode).
+# make it), and the environment's horovodrun and horovod.torch are ours: Horovod's
+# own refuse to run without its C++ extensions, which horovod_zero replaces
+# (horovod_zero/runner/launch.py runs Horovod's launcher code in Gloo mode;
+# horovod_zero/horovod_compat.py answers `import horovod.torch` with horovod_zero.torch).
 SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 echo "$ROOT" > "$SITE/horovod_zero_checkout.pth"
+logged "making horovod.torch horovod_zero's" "$VENV/bin/python" -m horovod_zero.horovod_compat install || exit 1
 cat > "$VENV/bin/horovodrun" <<EOF
 #!$VENV/bin/python
 # horovod_zero's horovodrun (written by examples/setup.sh); the guard lets

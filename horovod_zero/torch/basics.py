@@ -10,9 +10,11 @@ import torch
 from horovod_zero import settings as _settings
 from horovod_zero.runner.elastic import take_next_slot
 from horovod_zero.runner.rendezvous import make_gloo_backend, make_store, shm_control_name
+from horovod_zero.runner.threads import rank_threads
 from horovod_zero.runner.world import World, detect_world
 
 from horovod_zero.native import core as _core
+from horovod_zero.torch import peer_failure
 
 
 class _State:
@@ -59,6 +61,9 @@ def _start(config):
         # The driver gives up after the elastic timeout and says why: this process waits longer.
         take_next_slot(config.elastic_timeout_seconds + config.transport_timeout_seconds)
     world = detect_world()
+    threads = rank_threads(world.local_size)  # None: OMP_NUM_THREADS chose, or one rank on the host
+    if threads is not None:
+        torch.set_num_threads(threads)
     timeout = config.transport_timeout_seconds
     # The elastic driver clears its rendezvous keys whenever it forms a job, and workers it
     # starts then begin at generation 0: every worker of the new job uses the same keys.
@@ -94,6 +99,9 @@ def shutdown():
     _state.store = None
 
 
+# atexit runs the last registered first: shutdown(), then the wait that lets a failed peer be
+# reported first (peer_failure.py).
+atexit.register(lambda: peer_failure.wait_at_exit(_state.elastic))
 atexit.register(shutdown)
 
 

@@ -18,6 +18,7 @@ fields = dict(
     fusion_threshold=info["fusion_threshold"], cycle_time_ms=info["cycle_time_ms"],
     cache_capacity=info["cache_capacity"], timeline=info["timeline"], control_plane=info["control_plane"],
     log_level=os.environ.get("HOROVOD_LOG_LEVEL", ""),
+    threads=torch.get_num_threads(), usable_cores=len(os.sched_getaffinity(0)),
 )
 # One write per line: ranks share the launcher's stdout, and print() writes the newline separately.
 sys.stdout.write("LAUNCH_OK " + " ".join(f"{k}={v}" for k, v in fields.items()) + "\n")

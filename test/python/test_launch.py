@@ -9,25 +9,9 @@ import sys
 import pytest
 
 from harness import free_port
+from launchers import HOROVODRUN, MPI_ENV, SCRIPTS, clean_env, start
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "test", "python", "launch_check.py")
-HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
-# Open MPI refuses to run as root unless told twice.
-MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-LAUNCHER_VARS = ("HOROVOD_", "OMPI_", "PMIX_", "SLURM_", "RANK", "WORLD_SIZE", "LOCAL_", "GROUP_RANK", "MASTER_")
-
-
-def _clean_env(**extra):
-    """This process's environment without any launcher's variables, plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_VARS)}
-    env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1", PATH=os.path.dirname(sys.executable) + os.pathsep + env["PATH"])
-    env.update(extra)
-    return env
-
-
-def _start(cmd, env):
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+SCRIPT = os.path.join(SCRIPTS, "launch_check.py")
 
 
 def _finish(procs, timeout=180):
@@ -40,7 +24,7 @@ def _finish(procs, timeout=180):
 
 
 def _run(cmd, timeout=180, **env):
-    return _finish([_start(cmd, _clean_env(**env))], timeout)
+    return _finish([start(cmd, clean_env(**env))], timeout)
 
 
 def _ranks(out):
@@ -66,20 +50,35 @@ def _check_layout(rows, launcher, nodes, per_node):
             assert r["control_plane"] == ("shm" if nodes == 1 else "gloo")
 
 
+def _check_threads(rows, expected):
+    """Each rank's intra-op threads: `expected(usable cores of that rank)`."""
+    for r in rows:
+        assert int(r["threads"]) == expected(int(r["usable_cores"])), r
+
+
+def _share(usable):
+    """Ours where OMP_NUM_THREADS is unset: the usable cores over the 2 local ranks."""
+    return max(1, usable // 2)
+
+
 def test_single_process_is_a_job_of_size_one():
     _check_layout(_ranks(_run([sys.executable, SCRIPT])), "single", 1, 1)
 
 
 def test_torchrun_two_ranks():
-    out = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", SCRIPT])
-    _check_layout(_ranks(out), "torchrun", 1, 2)
+    """OMP_NUM_THREADS unset: torchrun's own default for several local workers, one thread each."""
+    out = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+                SCRIPT], OMP_NUM_THREADS=None)
+    rows = _ranks(out)
+    _check_layout(rows, "torchrun", 1, 2)
+    _check_threads(rows, lambda usable: 1)
 
 
 def test_torchrun_two_simulated_nodes():
     port = free_port()
-    env = _clean_env()
+    env = clean_env()
     procs = [
-        _start([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={n}", "--nproc_per_node=2",
+        start([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={n}", "--nproc_per_node=2",
                 "--master_addr=127.0.0.1", f"--master_port={port}", SCRIPT], env)
         for n in range(2)
     ]
@@ -87,8 +86,11 @@ def test_torchrun_two_simulated_nodes():
 
 
 def test_plain_horovodrun_two_ranks():
-    """`horovodrun -np 2 python script.py`, as Horovod users type it."""
-    _check_layout(_ranks(_run([HOROVODRUN, "-np", "2", "python", SCRIPT])), "horovodrun", 1, 2)
+    """`horovodrun -np 2 python script.py`, as Horovod users type it. horovodrun leaves
+    OMP_NUM_THREADS unset: each rank takes its share of the cores, not all of them."""
+    rows = _ranks(_run([HOROVODRUN, "-np", "2", "python", SCRIPT], OMP_NUM_THREADS=None))
+    _check_layout(rows, "horovodrun", 1, 2)
+    _check_threads(rows, _share)
 
 
 def test_horovodrun_flags_reach_every_rank(tmp_path):
@@ -97,9 +99,10 @@ def test_horovodrun_flags_reach_every_rank(tmp_path):
         HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", "--start-timeout", "60", "--verbose",
         "--timeline-filename", str(timeline), "--fusion-threshold-mb", "8", "--cycle-time-ms", "2.5",
         "--cache-capacity", "7", "--log-level", "ERROR", "python", SCRIPT,
-    ])
+    ], OMP_NUM_THREADS="2")
     rows = _ranks(out)
     _check_layout(rows, "horovodrun", 1, 2)
+    _check_threads(rows, lambda usable: 2)  # the user's OMP_NUM_THREADS, not the default
     for r in rows:
         assert int(r["fusion_threshold"]) == 8 * 1024 * 1024
         assert float(r["cycle_time_ms"]) == 2.5
@@ -116,19 +119,20 @@ def test_horovodrun_two_simulated_hosts():
 
 
 def test_horovodrun_refuses_mpi_mode_in_one_line():
-    p = subprocess.run([HOROVODRUN, "--mpi", "-np", "2", "python", SCRIPT], env=_clean_env(), capture_output=True,
+    p = subprocess.run([HOROVODRUN, "--mpi", "-np", "2", "python", SCRIPT], env=clean_env(), capture_output=True,
                        text=True, timeout=60)
     assert p.returncode == 2
     assert len(p.stderr.strip().splitlines()) == 1 and "mpirun" in p.stderr
 
 
 def test_mpirun_two_ranks():
-    out = _run(["mpirun", "-np", "2", "--oversubscribe", "python", SCRIPT], **MPI_ENV)
-    _check_layout(_ranks(out), "mpirun", 1, 2)
+    rows = _ranks(_run(["mpirun", "-np", "2", "--oversubscribe", "python", SCRIPT], OMP_NUM_THREADS=None, **MPI_ENV))
+    _check_layout(rows, "mpirun", 1, 2)
+    _check_threads(rows, _share)  # mpirun sets no OMP_NUM_THREADS either
 
 
 def _simulated(nodes, per_node, env_of_rank):
-    procs = [_start([sys.executable, SCRIPT], _clean_env(**env_of_rank(r))) for r in range(nodes * per_node)]
+    procs = [start([sys.executable, SCRIPT], clean_env(**env_of_rank(r))) for r in range(nodes * per_node)]
     return _ranks(_finish(procs))
 
 
@@ -143,7 +147,7 @@ def test_mpirun_environment_of_two_nodes_with_master_addr():
 
 
 def test_mpirun_across_hosts_without_master_addr_says_what_to_do():
-    env = _clean_env(OMPI_COMM_WORLD_RANK="1", OMPI_COMM_WORLD_SIZE="4", OMPI_COMM_WORLD_LOCAL_RANK="1",
+    env = clean_env(OMPI_COMM_WORLD_RANK="1", OMPI_COMM_WORLD_SIZE="4", OMPI_COMM_WORLD_LOCAL_RANK="1",
                      OMPI_COMM_WORLD_LOCAL_SIZE="2")
     p = subprocess.run([sys.executable, SCRIPT], env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode != 0
@@ -181,7 +185,7 @@ def test_srun_environment_of_two_nodes():
 
 def test_srun_without_its_peers_fails_in_seconds_with_a_hint():
     """A plain `python` inside an sbatch script sees SLURM_NTASKS of the allocation."""
-    env = _clean_env(SLURM_PROCID="1", SLURM_NTASKS="2", SLURM_LOCALID="1", SLURM_JOB_NODELIST="localhost",
+    env = clean_env(SLURM_PROCID="1", SLURM_NTASKS="2", SLURM_LOCALID="1", SLURM_JOB_NODELIST="localhost",
                      SLURM_JOB_ID=_free_slurm_job_id(), HOROVOD_GLOO_TIMEOUT_SECONDS="3")
     p = subprocess.run([sys.executable, SCRIPT], env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode != 0
