@@ -20,7 +20,7 @@ def gpus(request):
 
 def test_sync_batch_norm_on_cuda_matches_batch_norm_over_the_whole_batch(gpus):
     for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-4)):
-        for errs, eval_err, tracked in gpus.run(sync_bn_check.run, hvd.device(), dtype):
+        for errs, eval_err, tracked in gpus.run(sync_bn_check.run, "cuda", dtype):
             for dx, dw, stats, y in errs:
                 assert max(dx, dw, stats, y) < tol, (dtype, errs)
             assert eval_err < tol and tracked == 2

@@ -20,6 +20,7 @@ def run(device, dtype=torch.float64, steps=2, momentum=0.1):
     """Per step: (max |dx - ref| over this rank's slice, max |dw, db - ref| (the local
     weight and bias gradients summed over ranks), max |running stats - ref|, max |y - ref|);
     then eval mode's output error, and the batches tracked."""
+    device = hvd.device() if device == "cuda" else torch.device(device)  # "cuda": this rank's GPU
     r, n = hvd.rank(), hvd.size()
     sizes = [k + 2 for k in range(n)]  # uneven batches: the counts must weigh the statistics
     lo, hi = sum(sizes[:r]), sum(sizes[:r + 1])

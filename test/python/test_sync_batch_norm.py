@@ -9,7 +9,7 @@ import sync_bn_check
 
 
 def test_sync_batch_norm_matches_batch_norm_over_the_whole_batch(ranks):
-    for errs, eval_err, tracked in ranks.run(sync_bn_check.run, torch.device("cpu")):
+    for errs, eval_err, tracked in ranks.run(sync_bn_check.run, "cpu"):
         for dx, dw, stats, y in errs:
             assert max(dx, dw, stats, y) < 1e-10, errs
         assert eval_err < 1e-12 and tracked == 2
