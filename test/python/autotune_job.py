@@ -9,14 +9,14 @@ import torch
 
 import horovod_zero.torch as hvd
 
-# Tensors of 64 KiB to 4 MiB: fusion thresholds from 1 to 256 MiB group them differently.
-SIZES = [1 << 14, 1 << 16, 3 << 16, 1 << 18, 1 << 20, 5 << 16]
+# Tensors of 16 KiB to 1 MiB, 2.1 MiB in all: fusion thresholds of 1 and 2 MiB split them
+# into several collectives, 3 MiB and more fuse them into one.
+SIZES = [1 << 12, 1 << 14, 3 << 14, 1 << 16, 1 << 18, 5 << 15]
 
 
 def inputs(rank, step):
     """Rank `rank`'s tensors at `step`: small integers, so every sum is exact."""
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return [torch.randint(-1000, 1000, (n,), generator=g).float() for n in SIZES]
+    return [((torch.arange(n) * (rank + 3) + 7 * step + i) % 2001 - 1000).float() for i, n in enumerate(SIZES)]
 
 
 def tuning_done():

@@ -63,6 +63,17 @@ def test_variables_are_read_and_checked():
         assert f"{name}={value!r}" in str(e.value)
 
 
+def test_without_autotune_there_is_no_tuner(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_AUTOTUNE"):
+        monkeypatch.delenv(k, raising=False)
+    hvd.init()
+    try:
+        assert hvd.runtime_info()["autotune"] is None
+        assert hvd.runtime_info()["fusion_threshold"] == 128 << 20
+    finally:
+        hvd.shutdown()
+
+
 def test_allreduces_tune_to_the_end_keep_the_best_and_stay_exact(tmp_path):
     log = tmp_path / "autotune.csv"
     out = launch(autotune_job.launched, 2, env={**TINY, "HOROVOD_AUTOTUNE_LOG": str(log)}, timeout=120)
