@@ -39,8 +39,8 @@ from horovod_zero.torch.zero.core.loss_scale import LossScaler
 from horovod_zero.torch.zero.core.params import WholeParams, wait_for_params
 from horovod_zero.torch.zero.core.reduce import GradReducer
 from horovod_zero.torch.zero.core.step import DeviceStep
-from horovod_zero.torch.zero.core.tuning import ZeroTuning
 from horovod_zero.torch.zero.core.storage import ShardedStorage
+from horovod_zero.torch.zero.core.tuning import ZeroTuning
 from horovod_zero.torch.zero.core.units import find_units, wait_units
 from horovod_zero.torch.zero.core.weak import weak_hook
 from horovod_zero.torch.zero.offload.host_step import HostStep
