@@ -3,6 +3,11 @@ torch.distributed's all_gather_into_tensor / reduce_scatter_tensor (NCCL) on the
 same bytes, and 1,000 small async allreduces against 1,000 torch.distributed calls.
 
     HOROVOD_FUSION_THRESHOLD=2147483648 torchrun --nproc_per_node=8 examples/bench_collectives.py
+    HOROVOD_AUTOTUNE=1 HOROVOD_AUTOTUNE_LOG=autotune.csv torchrun --nproc_per_node=8 examples/bench_collectives.py
+
+With HOROVOD_AUTOTUNE=1 the first total's work (and the small allreduces) first runs
+until the autotuner has kept its best setting (at most --tune-max-steps steps); the
+measurements then run with that setting.
 
 Tensors follow a Llama-3.2-1B decoder layer (d=2048, 8 KV heads of 64, FFN 8192),
 sharded as ZeRO shards them: each rank contributes numel/size of every tensor.
@@ -23,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import horovod_zero.torch as hvd
-from bench_timing import median_time, sync
+from bench_timing import median_time, run_until_tuned, sync, tuned_text
 from llama_shapes import tensor_sizes
 
 
@@ -67,12 +72,34 @@ def profile_table(fn, label, trace_dir=None):
             prof.export_chrome_trace(os.path.join(trace_dir, label.replace(" ", "_") + ".json"))
 
 
+def bandwidth_tensors(total, dtype):
+    """A decoder layer's tensors (sizes), each rank's shards of them and full ones."""
+    n, dev = hvd.size(), hvd.device()
+    sizes = tensor_sizes(total, torch.tensor([], dtype=dtype).element_size(), n)
+    return sizes, [torch.randn(s // n, device=dev).to(dtype) for s in sizes], \
+        [torch.randn(s, device=dev).to(dtype) for s in sizes]
+
+
+def tune(total, dtype, small, max_steps):
+    """HOROVOD_AUTOTUNE=1: steps of the benchmark's work (the allgather and reducescatter
+    of `total`, `small` small allreduces) until the autotuner keeps its best setting, which
+    the measurements then run with."""
+    if hvd.runtime_info()["autotune"] is None:
+        return 0, None
+    _, shards, fulls = bandwidth_tensors(total, dtype)
+    ts = [torch.randn(256, device=hvd.device()) for _ in range(small)]
+
+    def step():
+        hvd.synchronize([hvd.grouped_allgather_async(shards, name="bw.ag"),
+                         hvd.grouped_reducescatter_async(fulls, op=hvd.Sum, name="bw.rs")] +
+                        [hvd.allreduce_async(t, op=hvd.Sum, name=f"small.{i}") for i, t in enumerate(ts)])
+    return run_until_tuned(step, max_steps)
+
+
 def bench_bandwidth(total, dtype, iters, rounds, depth, profile, trace_dir):
-    n, r, dev = hvd.size(), hvd.rank(), hvd.device()
+    n, dev = hvd.size(), hvd.device()
     esz = torch.tensor([], dtype=dtype).element_size()
-    sizes = tensor_sizes(total, esz, n)
-    shards = [torch.randn(s // n, device=dev).to(dtype) for s in sizes]
-    fulls = [torch.randn(s, device=dev).to(dtype) for s in sizes]
+    sizes, shards, fulls = bandwidth_tensors(total, dtype)
     nbytes = sum(sizes) * esz
     flat_in = torch.empty(nbytes // esz // n, dtype=dtype, device=dev)
     flat_out = torch.empty(nbytes // esz, dtype=dtype, device=dev)
@@ -142,6 +169,9 @@ def main():
     ap.add_argument("--small", type=int, default=1000, help="number of small async allreduces")
     ap.add_argument("--profile", action="store_true", help="print per-kernel device time of each fused op")
     ap.add_argument("--trace-dir", default=None, help="with --profile: write Chrome traces here")
+    ap.add_argument("--tune-max-steps", type=int, default=5000,
+                    help="with HOROVOD_AUTOTUNE=1: most steps of the first total's work the tuning may take before "
+                         "the measurements")
     args = ap.parse_args()
     hvd.init()
     cuda = hvd.device().type == "cuda"
@@ -151,6 +181,10 @@ def main():
     n = hvd.size()
     units = {"MiB": 1 << 20, "GiB": 1 << 30}
     out = []
+    first = args.totals.split(",")[0]
+    tuned = tuned_text(*tune(int(first[:-3]) * units[first[-3:]], torch.bfloat16, args.small, args.tune_max_steps))
+    if tuned:
+        out.append(tuned + f" (on {first} and {args.small} small allreduces per step)")
     for spec in args.totals.split(","):
         total = int(spec[:-3]) * units[spec[-3:]]
         for op, ntensors, nbytes, th, tt in bench_bandwidth(total, torch.bfloat16, args.iters, args.rounds, args.depth, args.profile, args.trace_dir):

@@ -5,6 +5,8 @@ import time
 
 import torch
 
+import horovod_zero.torch as hvd
+
 
 def sync():
     if torch.cuda.is_available():
@@ -27,3 +29,29 @@ def median_time(fn, iters, warmup=3, before_each=None):
         sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def run_until_tuned(step_fn, max_steps):
+    """With HOROVOD_AUTOTUNE=1: runs step_fn() until the autotuner has kept its best
+    setting on every rank, and one step more (a ZeRO optimizer takes the final bucket
+    size and prefetch depth at its next step). Returns the steps run and the settings
+    kept; without autotuning (0, None) at once."""
+    if hvd.runtime_info()["autotune"] is None:
+        return 0, None
+    for k in range(max_steps):
+        step_fn()
+        final = 0.0 if hvd.runtime_info()["autotune"]["tuning"] else 1.0
+        if hvd.allreduce(torch.tensor([final]), op=hvd.Min, name="bench.tuned").item() == 1.0:
+            step_fn()
+            return k + 2, hvd.runtime_info()["autotune"]
+    raise SystemExit(f"The autotuner did not finish within {max_steps} steps: raise --tune-max-steps, or lower "
+                     "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE / HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES.")
+
+
+def tuned_text(steps, tuned):
+    """One line's account of what the autotuner kept."""
+    if tuned is None:
+        return ""
+    return (f"autotuned in {steps} steps: fusion threshold {tuned['fusion_threshold'] / 2**20:.0f} MiB, cycle time "
+            f"{tuned['cycle_time_ms']:.3g} ms, ZeRO bucket {tuned['zero_bucket_bytes'] / 2**20:.0f} MiB, prefetch "
+            f"{tuned['zero_prefetch']}")

@@ -14,6 +14,9 @@ max_memory_allocated over ranks. Gradients are reduced in bf16 by every system u
     torchrun --nproc_per_node=4 examples/bench_zero.py --sim-nodes 2 --modes zero3,zero3+hybrid,fsdp2+reshard,fsdp2+hsdp
 
 A mode may carry environment settings for its optimizer: zero3@HOROVOD_ZERO_PREFETCH=2.
+With HOROVOD_AUTOTUNE=1 the first horovod_zero mode first trains, untimed, until the
+autotuner has kept its best setting (at most --tune-max-steps steps), and its line says
+what was kept; that mode and the later ones are timed with it.
 --compile compiles each block (block.compile(), before wrapping) and --ac recomputes each
 block's activations in backward (torch.utils.checkpoint, non-reentrant), for every mode; a
 mode's own +compile or +ac does the same for that mode alone (zero3+compile+ac). DeepSpeed
@@ -50,7 +53,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import horovod_zero.torch as hvd
-from bench_timing import median_time, sync
+from bench_timing import median_time, run_until_tuned, sync, tuned_text
 from llama_model import LLAMA_1B, LLAMA_3B, LLAMA_8B, TINY, Decoder
 from step_breakdown import OPTIMIZER_MARK, busy, profile_parts
 
@@ -234,14 +237,15 @@ def model_flags(mode, compile_all=False, ac_all=False):
 
 
 def bench_mode(mode, cfg, micro, steps, dev, profile_dir=None, profile_modes=(), phases=False,
-               reduce_dtype=torch.bfloat16, compiled=False, ac=False, adam=None, breakdown=False, trace_dir=None):
+               reduce_dtype=torch.bfloat16, compiled=False, ac=False, adam=None, breakdown=False, trace_dir=None,
+               tune_max_steps=0):
     with mode_env(mode) as base:
         return _bench_mode(base, cfg, micro, steps, dev, profile_dir, profile_modes, phases, reduce_dtype,
-                           compiled, ac, adam or {}, breakdown, trace_dir)
+                           compiled, ac, adam or {}, breakdown, trace_dir, tune_max_steps)
 
 
 def _bench_mode(mode, cfg, micro, steps, dev, profile_dir, profile_modes, phases, reduce_dtype, compiled, ac, adam,
-                breakdown, trace_dir):
+                breakdown, trace_dir, tune_max_steps):
     release_memory()
     torch._dynamo.reset()  # each mode compiles its own blocks: none reuses another's code
     model = build(cfg, dev, compiled, ac)
@@ -280,6 +284,9 @@ def _bench_mode(mode, cfg, micro, steps, dev, profile_dir, profile_modes, phases
     def step():
         backward(forward())
         update()
+    # HOROVOD_AUTOTUNE=1: the first horovod_zero mode trains until the tuner keeps its best
+    # setting, which this mode and the later ones are then timed with.
+    tuned = run_until_tuned(step, tune_max_steps) if mode.startswith("zero") and tune_max_steps else (0, None)
     # The training peak: from here on (construction's transient fp32 copies are not
     # counted for any mode; the first step's lazy allocations are).
     if torch.cuda.is_available():
@@ -290,7 +297,7 @@ def _bench_mode(mode, cfg, micro, steps, dev, profile_dir, profile_modes, phases
     keep = os.path.join(trace_dir, f"trace_{mode.replace('+', '_')}.json.gz") if trace_dir and hvd.rank() == 0 else None
     parts = mean_over_ranks(profile_parts(step, 3, sync, keep)) if breakdown else None
     out = (t, micro * cfg["seq"] / t, peak_gib(), phase_peaks(forward, backward, update) if phases else None, links,
-           parts)
+           parts, tuned)
     if profile_dir and mode in profile_modes:  # every rank steps; rank 0 writes
         profile_steps(step, os.path.join(profile_dir, f"profile_{mode.replace('+', '_')}.txt") if hvd.rank() == 0 else None)
     del model, opt, net
@@ -434,6 +441,9 @@ def main():
     ap.add_argument("--sim-nodes", type=int, default=0, help="split the ranks into this many simulated nodes")
     ap.add_argument("--compile", action="store_true", help="compile each block (block.compile()), every mode")
     ap.add_argument("--ac", action="store_true", help="activation checkpointing per block, every mode")
+    ap.add_argument("--tune-max-steps", type=int, default=5000,
+                    help="with HOROVOD_AUTOTUNE=1: most steps the first horovod_zero mode trains, untimed, until the "
+                         "autotuner keeps its best setting")
     args = ap.parse_args()
     if args.tiny:
         args.model = "tiny"
@@ -472,10 +482,9 @@ def main():
             continue
         run = base + mode[len(mode.split("@")[0]):]  # the mode's @settings, without +compile/+ac
         try:
-            t, tok, peak, phases, links, parts = bench_mode(run, cfg, args.micro_batch, args.steps, dev,
-                                                            args.profile_dir, args.profile.split(","), args.phases,
-                                                            reduce_dtype, compiled, ac, adam, args.breakdown,
-                                                            args.trace_dir)
+            t, tok, peak, phases, links, parts, tuned = bench_mode(
+                run, cfg, args.micro_batch, args.steps, dev, args.profile_dir, args.profile.split(","), args.phases,
+                reduce_dtype, compiled, ac, adam, args.breakdown, args.trace_dir, args.tune_max_steps)
         except Exception as e:  # noqa: BLE001 - a peer that cannot run this setting: say so, go on
             lines.append(f"{label:22s} failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
             release_memory()
@@ -486,6 +495,8 @@ def main():
             (args.compile or "compile" in mode.split("+")) else ""
         lines.append(f"{label:22s} step {t*1e3:9.1f} ms  {tok:10.0f} tokens/s/GPU  peak {peak:6.2f} GiB{wire}{note}")
         metrics = dict(step_ms=t * 1e3, tokens_per_s_per_gpu=tok, peak_gib=peak)
+        if tuned[1]:
+            lines.append("    " + tuned_text(*tuned))
         if phases:
             lines.append("    " + ", ".join(f"{ph} peak {pk:.2f} held {held:.2f}" for ph, pk, held in phases))
         if parts:
@@ -494,7 +505,8 @@ def main():
             lines.append(f"    profiled step {b['profiled_step_ms']:.1f} ms = floor {b['floor_gpu_ms']:.1f} "
                          f"+ compute above it {b['compute_above_floor_ms']:.1f} + optimizer step {b['optimizer_ms']:.1f} + exposed comm {b['exposed_comm_ms']:.1f} "
                          f"+ GPU idle {b['gpu_idle_ms']:.1f} ms; comm hidden under compute {b['hidden_comm_ms']:.1f} ms")
-        rows.append(result_row(args, cfg, run, dict(compile=compiled, ac=ac), metrics))
+        kept = dict(autotune=tuned[1], autotune_steps=tuned[0]) if tuned[1] else {}
+        rows.append(result_row(args, cfg, run, dict(compile=compiled, ac=ac, **kept), metrics))
     extras = args.extras.split(",") if args.extras else []
     if "coalescing" in extras:
         width, layers = (64, 2) if args.model == "tiny" else (4096, 8)

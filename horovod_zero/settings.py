@@ -143,6 +143,19 @@ VARIABLES = (
              "ranks, 16 beyond"),
     Variable("HOROVOD_ZERO_COPY_STREAM_BYTES", "copy_stream_bytes", "core", _Number(int, 0), 8 * _MiB,
              "fused CUDA ops of at least this many bytes copy on side streams; 0: never"),
+    Variable("HOROVOD_AUTOTUNE", "autotune", "core", _Bool(), False,
+             "1: tune the fusion threshold, the cycle time and ZeRO's bucket size and prefetch depth while the "
+             "job runs (Bayesian optimisation, as Horovod's autotuner); settings given explicitly stay as given"),
+    Variable("HOROVOD_AUTOTUNE_LOG", "autotune_log", "core", _Text(), "",
+             "autotuning: rank 0 writes every sample and the best setting here, as CSV with Horovod's columns"),
+    Variable("HOROVOD_AUTOTUNE_WARMUP_SAMPLES", "autotune_warmup_samples", "core", _Number(int, 0), 3,
+             "autotuning: samples discarded at the start"),
+    Variable("HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE", "autotune_steps_per_sample", "core", _Number(int, 1), 10,
+             "autotuning: steps per sub-sample (a sample's score is the median of 5 sub-samples)"),
+    Variable("HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", "autotune_max_samples", "core", _Number(int, 1), 20,
+             "autotuning: scored samples before the best setting is kept"),
+    Variable("HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", "autotune_noise", "core", _Number(float, 0.0, 1.0), 0.8,
+             "autotuning: the noise the Gaussian process assumes in the (standardised) scores"),
     Variable("HOROVOD_GLOO_IFACE", "gloo_iface", "job", _Interface(), "",
              "network interface Gloo uses; unset: the one the hostname resolves to"),
     Variable("HOROVOD_ZERO_SHM_CONTROL", "shm_control", "job", _Bool(), True,
@@ -201,12 +214,26 @@ class Settings:
     transport_timeout_seconds: float
     direct_max_tensors: int
     copy_stream_bytes: int
+    autotune: bool
+    autotune_log: str
+    autotune_warmup_samples: int
+    autotune_steps_per_sample: int
+    autotune_max_samples: int
+    autotune_noise: float
     gloo_iface: str
     shm_control: bool
     dynamic_process_sets: bool
     exact_gradients: bool
     elastic: bool
     elastic_timeout_seconds: float
+    bucket_bytes: int  # the ZeRO settings at init(), where the autotuner starts
+    prefetch: int
+    fixed: frozenset  # the TUNABLE variables set explicitly: the autotuner leaves them alone
+
+
+# Params' flag for each setting the autotuner may change, set when the variable is.
+TUNABLE = {"HOROVOD_FUSION_THRESHOLD": "fixed_fusion_threshold", "HOROVOD_CYCLE_TIME": "fixed_cycle_time",
+           "HOROVOD_ZERO_BUCKET_BYTES": "fixed_zero_bucket", "HOROVOD_ZERO_PREFETCH": "fixed_zero_prefetch"}
 
 
 def _values(rows, env) -> dict:
@@ -234,7 +261,14 @@ def read(env=None) -> Settings:
     """Every variable of VARIABLES from `env` (default: os.environ), validated; the
     "zero" ones are checked here too, and read again by each optimizer."""
     values = _values(VARIABLES, env)
+    values["fixed"] = explicitly_set(TUNABLE, env)
     return Settings(**{f.name: values[f.name] for f in fields(Settings)})
+
+
+def explicitly_set(names, env=None) -> frozenset:
+    """Those of `names` that have a value (empty means unset)."""
+    env = os.environ if env is None else env
+    return frozenset(n for n in names if env.get(n, "") != "")
 
 
 def read_section(section: str, env=None) -> dict:
@@ -247,4 +281,7 @@ def core_params(settings: Settings, params):
     for v in VARIABLES:
         if v.section == "core":
             setattr(params, v.field, getattr(settings, v.field))
+    params.zero_bucket_bytes, params.zero_prefetch = settings.bucket_bytes, settings.prefetch
+    for name, flag in TUNABLE.items():
+        setattr(params, flag, name in settings.fixed)
     return params

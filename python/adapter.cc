@@ -359,11 +359,37 @@ class PyRuntime {
 
   void ResetStats() { rt_->counters().Reset(); }
 
+  // HOROVOD_AUTOTUNE: the settings of `generation` (-1: the newest this rank has), or
+  // None without autotuning or before this rank has reached that generation.
+  py::object Tuned(int64_t generation) {
+    const TunedHistory* h = rt_->tuned();
+    TunedValues v;
+    if (h == nullptr || (generation >= 0 && !h->At(generation, &v))) return py::none();
+    if (generation < 0) v = h->Latest(&generation);
+    py::dict d;
+    d["generation"] = generation;
+    d["tuning"] = v.tuning;
+    d["fusion_threshold"] = v.fusion_threshold_bytes;
+    d["cycle_time_ms"] = v.cycle_time_ms;
+    d["zero_bucket_bytes"] = v.zero_bucket_bytes;
+    d["zero_prefetch"] = v.zero_prefetch;
+    return d;
+  }
+
+  void UseZeroKnobs(bool bucket, bool prefetch) { rt_->UseZeroKnobs(bucket, prefetch); }
+
   py::dict Info() {
     const Params& p = rt_->params();
     py::dict d;
+    py::object tuned = Tuned(-1);
+    d["autotune"] = tuned;  // None without HOROVOD_AUTOTUNE
+    // The settings in force: the tuner's, while it runs.
     d["fusion_threshold"] = p.fusion_threshold_bytes;
     d["cycle_time_ms"] = p.cycle_time_ms;
+    if (!tuned.is_none()) {
+      d["fusion_threshold"] = tuned["fusion_threshold"];
+      d["cycle_time_ms"] = tuned["cycle_time_ms"];
+    }
     d["cache_capacity"] = p.cache_capacity;
     d["timeline"] = p.timeline_path;
     d["timeline_mark_cycles"] = p.timeline_mark_cycles;
@@ -569,7 +595,19 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("stall_shutdown_seconds", &Params::stall_shutdown_seconds)
       .def_readwrite("transport_timeout_seconds", &Params::transport_timeout_seconds)
       .def_readwrite("direct_max_tensors", &Params::direct_max_tensors)
-      .def_readwrite("copy_stream_bytes", &Params::copy_stream_bytes);
+      .def_readwrite("copy_stream_bytes", &Params::copy_stream_bytes)
+      .def_readwrite("autotune", &Params::autotune)
+      .def_readwrite("autotune_log", &Params::autotune_log)
+      .def_readwrite("autotune_warmup_samples", &Params::autotune_warmup_samples)
+      .def_readwrite("autotune_steps_per_sample", &Params::autotune_steps_per_sample)
+      .def_readwrite("autotune_max_samples", &Params::autotune_max_samples)
+      .def_readwrite("autotune_noise", &Params::autotune_noise)
+      .def_readwrite("zero_bucket_bytes", &Params::zero_bucket_bytes)
+      .def_readwrite("zero_prefetch", &Params::zero_prefetch)
+      .def_readwrite("fixed_fusion_threshold", &Params::fixed_fusion_threshold)
+      .def_readwrite("fixed_cycle_time", &Params::fixed_cycle_time)
+      .def_readwrite("fixed_zero_bucket", &Params::fixed_zero_bucket)
+      .def_readwrite("fixed_zero_prefetch", &Params::fixed_zero_prefetch);
 
   py::class_<PyRuntime>(m, "Runtime")
       .def(py::init([internal_error](GlooBackend backend, int rank, int size, int local_rank, int local_size,
@@ -596,7 +634,9 @@ PYBIND11_MODULE(_core, m) {
       .def("set_timeline", &PyRuntime::SetTimeline, py::arg("path"), py::arg("mark_cycles"))
       .def("stats", &PyRuntime::Stats)
       .def("reset_stats", &PyRuntime::ResetStats)
-      .def("info", &PyRuntime::Info);
+      .def("info", &PyRuntime::Info)
+      .def("tuned", &PyRuntime::Tuned, py::arg("generation") = -1)
+      .def("use_zero_knobs", &PyRuntime::UseZeroKnobs, py::arg("bucket"), py::arg("prefetch"));
 
   m.def("cpu_cast", &CpuCast, py::arg("tensor"), py::arg("dtype"), py::arg("scale") = 1.0);
   RegisterOffloadAdam(m);

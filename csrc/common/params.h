@@ -22,6 +22,23 @@ struct Params {
   double transport_timeout_seconds = 30.0;               // HOROVOD_GLOO_TIMEOUT_SECONDS
   int direct_max_tensors = -1;  // HOROVOD_ZERO_DIRECT_MAX_TENSORS; 0: never; -1: by world size (ops/plan_direct.cc)
   int64_t copy_stream_bytes = 8ll * 1024 * 1024;         // HOROVOD_ZERO_COPY_STREAM_BYTES; 0: never
+
+  // Autotuning (autotune/autotuner.h), Horovod's variables.
+  bool autotune = false;               // HOROVOD_AUTOTUNE
+  std::string autotune_log;            // HOROVOD_AUTOTUNE_LOG: rank 0 writes its samples there
+  int autotune_warmup_samples = 3;     // HOROVOD_AUTOTUNE_WARMUP_SAMPLES
+  int autotune_steps_per_sample = 10;  // HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE
+  int autotune_max_samples = 20;       // HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES
+  double autotune_noise = 0.8;         // HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE
+  // The ZeRO optimizer's settings at init() (HOROVOD_ZERO_BUCKET_BYTES, HOROVOD_ZERO_PREFETCH):
+  // the tuner starts from them; Python reads them itself.
+  int64_t zero_bucket_bytes = 32ll * 1024 * 1024;
+  int zero_prefetch = 1;
+  // Settings the user set explicitly, which the tuner leaves alone, as Horovod does.
+  bool fixed_fusion_threshold = false;
+  bool fixed_cycle_time = false;
+  bool fixed_zero_bucket = false;
+  bool fixed_zero_prefetch = false;
 };
 
 }  // namespace hvdz

@@ -231,6 +231,7 @@ Status Controller::RunCycle(const std::vector<Request>& new_requests, bool want_
   const bool was_joined = joined_;  // what the others read in this cycle's header
   if (was_joined) flags |= kJoined;
   if (pending_elsewhere) flags |= kPendingElsewhere;
+  if (cp_.rank() == 0 && !announcement_.empty()) flags |= kAnnouncement;
   std::vector<uint8_t> all_bytes;
   HVDZ_RETURN_IF_ERROR(cp_.Allgather(EncodeHeader(flags), &all_bytes));
 
@@ -248,6 +249,10 @@ Status Controller::RunCycle(const std::vector<Request>& new_requests, bool want_
   out->shutdown = (any_flags & kShutdown) != 0;
   out->peers_pending = (any_flags & kPendingElsewhere) != 0;
   const JoinTracker::Update join = join_.Observe(joined);
+  if (any_flags & kAnnouncement) {
+    out->announcement.swap(announcement_);  // rank 0's; the others' is replaced
+    HVDZ_RETURN_IF_ERROR(cp_.Broadcast(&out->announcement));
+  }
 
   Invalidate(invalid_any);
   CollectReady(all, invalid_any, joined, out);

@@ -13,8 +13,10 @@
 // it had waiting on it through the slow path.
 //
 // Each header also says whether its rank asks to shut down, whether it has
-// joined (see [Note: join] in join_tracker.h), and whether it waits on work in
-// another process set (see [Note: process sets] in runtime/process_set.h).
+// joined (see [Note: join] in join_tracker.h), whether it waits on work in
+// another process set (see [Note: process sets] in runtime/process_set.h), and on
+// rank 0 whether an announcement follows: bytes every rank receives in the same
+// cycle (the autotuner's new settings: [Note: autotuning] in autotune/autotuner.h).
 #pragma once
 
 #include <cstdint>
@@ -43,6 +45,8 @@ struct CycleResult {
   bool self_joined = false;
   bool join_done = false;
   int last_joined = -1;
+  // Rank 0's announcement (Controller::Announce), on every rank; empty: none this cycle.
+  std::vector<uint8_t> announcement;
   // Some rank has work in another process set, which waits for this rank's next
   // exchange in this set: see [Note: process sets] in runtime/process_set.h.
   bool peers_pending = false;
@@ -61,11 +65,21 @@ class Controller {
   // (the others' allreduces need it in every exchange), i.e. it is waiting on other
   // ranks and should cycle again soon.
   bool HasPending() const { return !pending_hits_.empty() || !unsent_.empty() || !awaiting_.empty() || joined_; }
+  // Rank 0: every rank receives `bytes` (non-empty) in the next cycle's
+  // CycleResult::announcement. A later call before then replaces it.
+  void Announce(std::vector<uint8_t> bytes) { announcement_ = std::move(bytes); }
   const ResponseCache& cache() const { return cache_; }
   uint64_t slow_path_cycles() const { return slow_path_cycles_; }
 
  private:
-  enum Flag : uint32_t { kShutdown = 1, kHasUncached = 2, kCoordinatorNews = 4, kJoined = 8, kPendingElsewhere = 16 };
+  enum Flag : uint32_t {
+    kShutdown = 1,
+    kHasUncached = 2,
+    kCoordinatorNews = 4,
+    kJoined = 8,
+    kPendingElsewhere = 16,
+    kAnnouncement = 32,
+  };
   struct Header {
     uint32_t flags = 0;
     std::vector<uint64_t> hits;
@@ -103,6 +117,7 @@ class Controller {
   std::vector<Response> stall_errors_;  // rank 0: announced in the next slow path
   uint64_t slow_path_cycles_ = 0;
   bool joined_ = false;  // this rank has called join() and it has not returned yet
+  std::vector<uint8_t> announcement_;  // rank 0: to broadcast in the next cycle
 };
 
 }  // namespace hvdz

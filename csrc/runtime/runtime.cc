@@ -15,7 +15,13 @@ Runtime::Runtime(const WorldInfo& world, const Params& params, std::unique_ptr<C
       logger_(params.log_level, world.rank),
       control_kind_(control->kind()),
       alloc_(std::move(alloc)),
-      gpu_(MakeGpuSupport(params_, logger_)) {
+      gpu_(MakeGpuSupport(params_, logger_)),
+      fusion_threshold_bytes_(params.fusion_threshold_bytes),
+      cycle_time_ms_(params.cycle_time_ms) {
+  if (params.autotune) {
+    tuned_ = std::make_unique<TunedHistory>(StartingValues(params));
+    if (world.rank == 0) tuner_ = std::make_unique<Autotuner>(params_, logger_);
+  }
   std::vector<int> everyone(world.size);
   for (int r = 0; r < world.size; ++r) everyone[r] = r;
   sets_[0] = std::make_unique<ProcessSet>(0, std::move(everyone), world.rank, params_, logger_, std::move(control),
@@ -41,6 +47,7 @@ Status Runtime::Start() {
   // Like Horovod, rank 0 writes the timeline: one file, the coordinator's view.
   if (world_.rank == 0 && !timeline_.Open(params_.timeline_path, world_.rank, params_.timeline_mark_cycles))
     return Status::InvalidArgument("Cannot open HOROVOD_TIMELINE file '" + params_.timeline_path + "'.");
+  if (tuner_) HVDZ_RETURN_IF_ERROR(tuner_->Open());
   thread_ = std::thread([this] {
     UseFineTimerSlack();
     NameThisThread("hvdz-cycle");
@@ -196,7 +203,7 @@ void Runtime::Execute(ProcessSet& ps, const CycleResult& result, Clock::time_poi
     if (queue_.Take(ps.id(), r.name, &e)) Complete(e, Status::PreconditionError(r.error));
   }
   // Each set fuses its own responses: tensors of two sets never share a collective.
-  for (const auto& idx : PlanFusion(responses, params_.fusion_threshold_bytes)) {
+  for (const auto& idx : PlanFusion(responses, fusion_threshold_bytes_)) {
     std::vector<const Response*> group;
     for (auto i : idx) group.push_back(&responses[i]);
     ExecuteGroup(ps, group, result.self_joined, negotiated);
@@ -240,7 +247,7 @@ constexpr std::chrono::milliseconds kMaxIdlePeriodWithSets(10);
 
 Clock::duration Runtime::NextWait(bool busy, bool peers_pending, Clock::duration* idle_period) {
   const auto cycle = std::chrono::duration_cast<Clock::duration>(
-      std::chrono::duration<double, std::milli>(params_.cycle_time_ms));
+      std::chrono::duration<double, std::milli>(cycle_time_ms_));
   // A rank whose tensors wait on other ranks cycles again within 50 us: they are
   // about to meet it in the next exchange. So does every rank while some rank waits
   // on another process set's work: that rank meets the others in every global cycle.
@@ -289,6 +296,7 @@ void Runtime::Loop() {
       if (!shutdown_requested_) stopped = PeersLeft(result.shutdown_ranks);
       break;
     }
+    if (tuner_) TuneAfterCycle(start);
     // New work starts a cycle at once (WaitForWork returns); see [Note: idle backoff].
     queue_.WaitForWork(start + NextWait(busy, result.peers_pending, &idle_period));
   }
@@ -308,7 +316,9 @@ Status Runtime::RunCycles(std::vector<Request> fresh, bool* busy, CycleResult* g
   }
   HVDZ_RETURN_IF_ERROR(global().controller().RunCycle(by_set[0], shutdown_requested_.load(), g, elsewhere));
   ApplySetChanges(*g);
+  if (!g->announcement.empty()) ApplyAnnouncement(*g);
   Execute(global(), *g, Clock::now());
+  ObserveWork(global(), *g);
   *busy = *busy || g->slow_path || !g->responses.empty();
   if (g->shutdown) return Status::OK();
   for (auto& kv : sets_) {
@@ -317,6 +327,7 @@ Status Runtime::RunCycles(std::vector<Request> fresh, bool* busy, CycleResult* g
     CycleResult result;
     HVDZ_RETURN_IF_ERROR(ps.controller().RunCycle(by_set[ps.id()], false, &result));
     Execute(ps, result, Clock::now());
+    ObserveWork(ps, result);
     *busy = *busy || result.slow_path || !result.responses.empty();
   }
   return Status::OK();

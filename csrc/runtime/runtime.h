@@ -13,6 +13,8 @@
 #include <thread>
 #include <unordered_map>
 
+#include "autotune/autotuner.h"
+#include "autotune/tuned_values.h"
 #include "common/logging.h"
 #include "common/params.h"
 #include "common/timeline.h"
@@ -88,6 +90,10 @@ class Runtime {
   uint64_t slow_path_cycles() const;  // the global set's
   int64_t cpu_fusion_buffer_bytes() const;  // every set's
   const char* control_plane_kind() const { return control_kind_; }
+  // HOROVOD_AUTOTUNE: every setting announced so far; null without autotuning.
+  const TunedHistory* tuned() const { return tuned_.get(); }
+  // A ZeRO optimizer uses its bucket size / prefetch depth: rank 0's tuner may tune them.
+  void UseZeroKnobs(bool bucket, bool prefetch);
 
  private:
   struct SetChange {
@@ -126,6 +132,12 @@ class Runtime {
   void LogGroup(const ProcessSet& ps, const std::vector<const Response*>& group) const;
   Status ContextFor(ProcessSet& ps, const TensorEntry& e, DeviceContext** ctx);
   Status CheckDevice(const TensorEntry& e);
+  // runtime_autotune.cc, see [Note: autotuning]: rank 0's announcement put in force
+  // on every rank (before the cycle's responses are fused), the tuner's view of the
+  // work, and its decision after each loop iteration.
+  void ApplyAnnouncement(const CycleResult& g);
+  void ObserveWork(const ProcessSet& ps, const CycleResult& result);
+  void TuneAfterCycle(Clock::time_point start);
 
   WorldInfo world_;
   Params params_;
@@ -148,6 +160,12 @@ class Runtime {
   std::atomic<bool> shutdown_requested_{false};
   // The loop stopped on a communication failure (a peer died or timed out): Shutdown() aborts CUDA work.
   std::atomic<bool> failed_{false};
+  // The fusion threshold and cycle time in force: the settings', or the tuner's.
+  // Background thread only.
+  int64_t fusion_threshold_bytes_;
+  double cycle_time_ms_;
+  std::unique_ptr<TunedHistory> tuned_;  // HOROVOD_AUTOTUNE only
+  std::unique_ptr<Autotuner> tuner_;     // and on rank 0
   std::thread thread_;
 };
 

@@ -32,6 +32,7 @@ import weakref
 
 import torch
 
+from horovod_zero.torch import basics
 from horovod_zero.torch.zero import hybrid
 from horovod_zero.torch.zero.config import ZeroConfig
 from horovod_zero.torch.zero.core.loss_scale import LossScaler
@@ -39,6 +40,7 @@ from horovod_zero.torch.zero.core.params import WholeParams, wait_for_params
 from horovod_zero.torch.zero.core.reduce import GradReducer
 from horovod_zero.torch.zero.core.step import DeviceStep
 from horovod_zero.torch.zero.core.storage import ShardedStorage
+from horovod_zero.torch.zero.core.tuning import ZeroTuning
 from horovod_zero.torch.zero.core.units import find_units, wait_units
 from horovod_zero.torch.zero.core.weak import weak_hook
 from horovod_zero.torch.zero.offload.host_step import HostStep
@@ -148,8 +150,9 @@ class DistributedZeroOptimizer:
         else:
             self._step = DeviceStep(self._storage, optimizer, self.config.downcast, self.config.fused_step)
         self._gatherer = self._step.gatherer
+        tuning = ZeroTuning(self.config, options.stage, basics._runtime())
         self._reducer = GradReducer(self._storage, self._step.sink, options.stage >= 2,
-                                    options.backward_passes_per_step, options.reduce_dtype, self.config.bucket_bytes)
+                                    options.backward_passes_per_step, options.reduce_dtype, tuning.bucket_bytes, tuning)
         self._hooks = []
         weakref.finalize(self, _remove_all, self._hooks)  # hooks go when the optimizer goes
         self._cast_to = options.param_dtype if options.cast_forward_inputs else None
@@ -157,7 +160,7 @@ class DistributedZeroOptimizer:
             self._hooks.append(model.register_forward_pre_hook(weak_hook(self, "_before_forward"), with_kwargs=True))
         if options.stage == 3:
             self._params = Stage3(model, unit_modules, self._storage, self._gatherer, self._reducer,
-                                  self.config.prefetch, options.reshard_after_forward,
+                                  tuning, options.reshard_after_forward,
                                   options.reshard_root_after_forward)
         else:
             self._params = WholeParams(model, self._storage, self._gatherer, self._step, forward_waits)

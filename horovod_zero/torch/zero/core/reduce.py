@@ -30,7 +30,7 @@ from horovod_zero.torch.basics import _core
 class GradReducer:
     TAKE_BYTES = 64 << 20  # reduced outputs handed to the sink at once in finish()
 
-    def __init__(self, storage, sink, eager, backward_passes_per_step, reduce_dtype, bucket_bytes):
+    def __init__(self, storage, sink, eager, backward_passes_per_step, reduce_dtype, bucket_bytes, tuning=None):
         self._storage = storage
         self._groups = storage.groups
         self._sink = sink
@@ -38,6 +38,8 @@ class GradReducer:
         self._bpps = backward_passes_per_step
         self._reduce_dtype = reduce_dtype
         self._bucket_limit = bucket_bytes
+        # HOROVOD_AUTOTUNE: the bucket size may change at each step ([Note: tuned ZeRO settings]).
+        self._tuning = tuning
         # shard index -> [(handle, output)], one per reduction this step. A handle keeps the
         # full gradient it reduces alive until it is waited for: _drain() waits for those
         # finished at each flush, so backward holds only the gradients still in flight.
@@ -168,7 +170,11 @@ class GradReducer:
         # reduction, or none made yet, needs one more), and whether it had a gradient.
         mine = [[n + (1 if p.grad is not None or n == 0 else 0) for n, (_, p) in zip(counts, trained)],
                 [1 if self._had_grad.get(s.index) or p.grad is not None else 0 for s, p in trained]]
-        needed, had = self._max_over_ranks(mine)
+        tuning = self._tuning.rows() if self._tuning is not None else []
+        needed, had, *agreed = self._max_over_ranks(mine + tuning)
+        if tuning:
+            self._tuning.adopt(agreed)
+            self._bucket_limit = self._tuning.bucket_bytes
         self._had_anywhere = [f > 0 for f in had]
         self._make_up(trained, counts, needed)
 
@@ -183,16 +189,21 @@ class GradReducer:
         return len(self._pending.get(s.index, ())) + len(self._done.get(s.index, ()))
 
     def _max_over_ranks(self, rows):
-        """Each row of small integers, its elementwise maximum over the optimizer's ranks."""
+        """Each row of small integers (rows may differ in length), its elementwise maximum
+        over the optimizer's ranks."""
         if not rows[0]:
             return [[] for _ in rows]
         # On the host (Gloo), even with GPUs: over NCCL it would queue behind the step's
         # reduce-scatters, and reading it would make the CPU wait for all of them to run,
         # leaving the GPU idle while the CPU then queues the optimizer step.
-        t = torch.tensor(rows, dtype=torch.float32)
-        t = ops.synchronize(ops._allreduce_async(t, "zero.reductions", ops.Max, 1.0, 1.0,
-                                                 self._groups.scope.process_set))
-        return t.tolist()
+        t = torch.tensor([x for row in rows for x in row], dtype=torch.float32)
+        flat = ops.synchronize(ops._allreduce_async(t, "zero.reductions", ops.Max, 1.0, 1.0,
+                                                    self._groups.scope.process_set)).tolist()
+        out, at = [], 0
+        for row in rows:
+            out.append(flat[at:at + len(row)])
+            at += len(row)
+        return out
 
     def finish(self, unscale):
         """Waits for this step's reductions and hands each shard's outputs to the sink, with

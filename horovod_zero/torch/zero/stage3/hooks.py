@@ -55,11 +55,11 @@ class Unit:
 
 
 class Stage3:
-    def __init__(self, model, unit_modules, storage, gatherer, reducer, prefetch, reshard_after_forward,
+    def __init__(self, model, unit_modules, storage, gatherer, reducer, tuning, reshard_after_forward,
                  reshard_root_after_forward=False):
         self._storage, self._gatherer, self._reducer = storage, gatherer, reducer
         self._model = model
-        self._prefetch = prefetch
+        self._tuning = tuning  # .prefetch: units gathered ahead ([Note: tuned ZeRO settings] in core/tuning.py)
         self._reshard_after_forward = reshard_after_forward
         self._reshard_root = reshard_root_after_forward
         names = {m: n for n, m in model.named_modules(remove_duplicate=False)}
@@ -187,7 +187,7 @@ class Stage3:
             self.reshard_all()
 
     def _prefetch_next(self, trace):
-        for k in trace.upcoming(self._prefetch):
+        for k in trace.upcoming(self._tuning.prefetch):
             self.gather(self.units[k])
 
     # --- hooks -------------------------------------------------------------------
