@@ -76,6 +76,14 @@ class _Bool:
 
 
 @dataclass(frozen=True)
+class _Text:
+    def accepts(self) -> str:
+        return "any text"
+
+    def __call__(self, text: str):
+        return text
+
+
 class _TimelinePath:
     """A path, or Horovod's DYNAMIC: no file until hvd.start_timeline()."""
 

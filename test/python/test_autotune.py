@@ -16,7 +16,8 @@ import horovod_zero.torch as hvd
 from horovod_zero import settings
 import autotune_job
 from harness import launch
-from test_launch import HOROVODRUN, ROOT, _ranks, _run
+from launchers import HOROVODRUN, ROOT
+from test_launch import _ranks, _run
 from horovod_zero.torch.zero.config import ZeroConfig
 from horovod_zero.torch.zero.core.tuning import ZeroTuning
 from test_zero_stage3 import Net, adamw, full_params, reference, rel_errors, train, with_env
