@@ -73,9 +73,9 @@ def test_the_pth_line_makes_horovod_torch_ours(tmp_path):
         "import horovod.torch as hvd, horovod_zero.torch, horovod.torch.elastic as e\n"
         "from horovod.torch.mpi_ops import Sum\n"
         "assert hvd is horovod_zero.torch and e is horovod_zero.torch.elastic and Sum == hvd.Sum\n"
-        "try:\n    import horovod.torch.sync_batch_norm\nexcept ModuleNotFoundError as err:\n    print(err)",
+        "try:\n    import horovod.torch.mpi_lib_v2\nexcept ModuleNotFoundError as err:\n    print(err)",
         tmp_path / "unbuilt", site_dir=site)
-    assert "No module named 'horovod.torch.sync_batch_norm': in this environment horovod.torch is horovod_zero" in out
+    assert "No module named 'horovod.torch.mpi_lib_v2': in this environment horovod.torch is horovod_zero" in out
 
 
 def test_horovod_torch_with_its_extension_built_stays_horovods(tmp_path):
