@@ -161,9 +161,12 @@ VARIABLES = (
     Variable("HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE", "autotune_steps_per_sample", "core", _Number(int, 1), 10,
              "autotuning: steps per sub-sample (a sample's score is the median of 5 sub-samples)"),
     Variable("HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", "autotune_max_samples", "core", _Number(int, 1), 20,
-             "autotuning: scored samples before the best setting is kept"),
+             "autotuning: samples the search scores"),
     Variable("HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", "autotune_noise", "core", _Number(float, 0.0, 1.0), 0.8,
              "autotuning: the noise the Gaussian process assumes in the (standardised) scores"),
+    Variable("HOROVOD_AUTOTUNE_CONFIRM_ROUNDS", "autotune_confirm_rounds", "core", _Number(int, 0), 3,
+             "autotuning: after the search, rounds measuring its best setting and the starting one in turn; the "
+             "best is kept only when it wins by more than their spread (2% at least); 0: no rounds, the best kept"),
     Variable("HOROVOD_GLOO_IFACE", "gloo_iface", "job", _Interface(), "",
              "network interface Gloo uses; unset: the one the hostname resolves to"),
     Variable("HOROVOD_ZERO_SHM_CONTROL", "shm_control", "job", _Bool(), True,
@@ -228,6 +231,7 @@ class Settings:
     autotune_steps_per_sample: int
     autotune_max_samples: int
     autotune_noise: float
+    autotune_confirm_rounds: int
     gloo_iface: str
     shm_control: bool
     dynamic_process_sets: bool

@@ -602,6 +602,7 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("autotune_steps_per_sample", &Params::autotune_steps_per_sample)
       .def_readwrite("autotune_max_samples", &Params::autotune_max_samples)
       .def_readwrite("autotune_noise", &Params::autotune_noise)
+      .def_readwrite("autotune_confirm_rounds", &Params::autotune_confirm_rounds)
       .def_readwrite("zero_bucket_bytes", &Params::zero_bucket_bytes)
       .def_readwrite("zero_prefetch", &Params::zero_prefetch)
       .def_readwrite("fixed_fusion_threshold", &Params::fixed_fusion_threshold)

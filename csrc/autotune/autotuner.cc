@@ -71,7 +71,7 @@ constexpr int kPrimes[kNumKnobs] = {2, 3, 5, 7};
 
 const char* kHeader =
     "hierarchical_allreduce,hierarchical_allgather,torus_allreduce,cache_enabled,cycle_time_ms,"
-    "tensor_fusion_threshold,score,zero_bucket_mb,zero_prefetch";
+    "tensor_fusion_threshold,score,zero_bucket_mb,zero_prefetch,phase";
 
 }  // namespace
 
@@ -82,6 +82,7 @@ Autotuner::Autotuner(const Params& params, const Logger& log)
       steps_per_sample_(std::max(1, params.autotune_steps_per_sample)),
       max_samples_(std::max(1, params.autotune_max_samples)),
       noise_(params.autotune_noise),
+      confirm_rounds_(std::max(0, params.autotune_confirm_rounds)),
       cache_enabled_(params.cache_capacity > 0),
       fixed_{params.fixed_fusion_threshold, params.fixed_cycle_time, params.fixed_zero_bucket,
              params.fixed_zero_prefetch},
@@ -190,24 +191,22 @@ std::vector<double> Autotuner::Snap(const std::vector<double>& point) const { re
 
 bool Autotuner::Score(double score, TunedValues* next) {
   if (!frozen_) Freeze();
-  Write(current_, score);
+  if (confirm_) return Confirm(score, next);
+  Write(current_, score, "search");
   tried_.push_back(current_);
-  if (dims_.empty()) {
-    done_ = true;
-    Write(current_, score);  // the best row: nothing else was tried
-    *next = current_;
-    next->tuning = false;
-    return true;
-  }
+  if (dims_.empty()) return Keep(current_, score, next);  // nothing else to try
   bo_->AddSample(Point(current_), score);
   if (static_cast<int>(bo_->samples()) >= max_samples_) {
     const size_t b = bo_->best();
-    *next = tried_[b];
-    next->tuning = false;
-    done_ = true;
-    HVDZ_LOG(log_, kInfo) << "Autotuner: done after " << bo_->samples() << " samples; keeping the best:";
-    Write(*next, bo_->score(b));
-    return true;
+    HVDZ_LOG(log_, kInfo) << "Autotuner: search done after " << bo_->samples() << " samples";
+    // tried_[0] is the starting setting: when it scored best there is nothing to confirm.
+    if (confirm_rounds_ > 0 && !SameSettings(tried_[b], tried_[0])) {
+      confirm_.emplace(tried_[b], tried_[0], confirm_rounds_);
+      HVDZ_LOG(log_, kInfo) << "Autotuner: measuring the best and the starting setting in turn, " << confirm_rounds_
+                            << " round(s) each";
+      return Try(confirm_->next(), next);
+    }
+    return Keep(tried_[b], bo_->score(b), next);
   }
   std::vector<double> p;
   if (!first_points_.empty()) {
@@ -216,9 +215,33 @@ bool Autotuner::Score(double score, TunedValues* next) {
   } else {
     p = bo_->Next([this](const std::vector<double>& x) { return Snap(x); });
   }
-  *next = Values(p);
+  return Try(Values(p), next);
+}
+
+bool Autotuner::Confirm(double score, TunedValues* next) {
+  Write(current_, score, "confirm");
+  confirm_->Add(score);
+  if (!confirm_->done()) return Try(confirm_->next(), next);
+  HVDZ_LOG(log_, kInfo) << "Autotuner: the best's median " << confirm_->candidate_median()
+                        << " bytes/us against the start's " << confirm_->start_median() << ", which it must beat by "
+                        << 100 * confirm_->needed() << "%: keeping "
+                        << (confirm_->keep_candidate() ? "the best" : "the starting setting");
+  return Keep(confirm_->kept(), confirm_->kept_score(), next);
+}
+
+bool Autotuner::Try(const TunedValues& v, TunedValues* next) {
+  *next = v;
   next->tuning = true;
   waiting_ = true;
+  return true;
+}
+
+bool Autotuner::Keep(const TunedValues& v, double score, TunedValues* next) {
+  *next = v;
+  next->tuning = false;
+  done_ = true;
+  HVDZ_LOG(log_, kInfo) << "Autotuner: done; keeping:";
+  Write(*next, score, "kept");
   return true;
 }
 
@@ -229,14 +252,15 @@ void Autotuner::InForce(const TunedValues& v, Time now) {
   StartSample(now);
 }
 
-void Autotuner::Write(const TunedValues& v, double score) {
+void Autotuner::Write(const TunedValues& v, double score, const char* phase) {
   HVDZ_LOG(log_, kInfo) << "Autotuner: [cycle_time_ms " << v.cycle_time_ms << ", fusion_threshold "
                         << v.fusion_threshold_bytes / kMiB << " MiB, zero_bucket " << v.zero_bucket_bytes / kMiB
-                        << " MiB, zero_prefetch " << v.zero_prefetch << "] score " << score << " bytes/us";
+                        << " MiB, zero_prefetch " << v.zero_prefetch << "] score " << score << " bytes/us (" << phase
+                        << ")";
   if (!file_.is_open()) return;
   // Horovod's columns (it has no hierarchical or torus collectives here: 0), then ours.
   file_ << "0,0,0," << (cache_enabled_ ? 1 : 0) << "," << v.cycle_time_ms << "," << v.fusion_threshold_bytes / kMiB
-        << "," << score << "," << v.zero_bucket_bytes / kMiB << "," << v.zero_prefetch << std::endl;
+        << "," << score << "," << v.zero_bucket_bytes / kMiB << "," << v.zero_prefetch << "," << phase << std::endl;
 }
 
 }  // namespace hvdz

@@ -7,11 +7,24 @@
 //   ends when some tensor name comes round again; a sub-sample is
 //   HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE steps, and a sample's score is the median of
 //   5 sub-samples' scores (Horovod's scheme), so one sample takes 5 x steps.
+// - Why no more filtering: a sub-sample runs from a step's first collective to that
+//   of a later step, whole steps whatever the setting. A step slowed by a checkpoint,
+//   a GC pause, a first-time compile or the step where the ZeRO optimizer takes a new
+//   setting (tuning.py) spoils one sub-sample, and the median ignores two of five.
+//   The noise left is between samples (scores of nearly the same setting differed
+//   by up to 20% on 2 x H200 at micro-batch 1): no filter within a sample removes
+//   it; the confirmation below keeps it from choosing the setting.
 // - The first HOROVOD_AUTOTUNE_WARMUP_SAMPLES samples are discarded. The first
 //   scored one is the settings the job started with, then a few points spread over
 //   the space, then the points a Bayesian optimiser proposes
 //   (autotune/bayesian_optimizer.h), up to HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES
-//   samples; then the best-scoring setting is kept for the rest of the job.
+//   samples.
+// - Confirmation (ours, autotune/confirmation.h): unless the starting setting scored
+//   best, the best-scoring one and the starting one are sampled again in turn,
+//   HOROVOD_AUTOTUNE_CONFIRM_ROUNDS samples each, and the best is kept only when the
+//   median of its rounds beats the start's by more than their spread (2% at least);
+//   otherwise the job keeps the setting it started with. 0 rounds: the best-scoring
+//   setting is kept, as in Horovod.
 // - Only rank 0 scores and decides. A new setting travels as an announcement of the
 //   coordinator (Controller::Announce): every rank applies it in the same
 //   negotiation cycle, before fusing that cycle's responses, so every rank fuses
@@ -20,19 +33,23 @@
 //   settings join the search only when an optimizer that uses them exists by the
 //   end of the warm-up; the optimizer takes them at a step boundary agreed with
 //   the other ranks (horovod_zero/torch/zero/core/tuning.py).
-// - The log (HOROVOD_AUTOTUNE_LOG) has Horovod's columns, then ours: one row per
-//   scored sample, and a last row with the best setting and its score.
+// - The log (HOROVOD_AUTOTUNE_LOG) has Horovod's columns, then ours, the last being
+//   the phase: a "search" row per scored sample, a "confirm" row per confirmation
+//   round, and a last "kept" row with the setting kept and its score (its median
+//   over the rounds when they ran).
 #pragma once
 
 #include <atomic>
 #include <chrono>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
 #include "autotune/bayesian_optimizer.h"
+#include "autotune/confirmation.h"
 #include "autotune/tuned_values.h"
 #include "common/logging.h"
 #include "common/message.h"
@@ -74,11 +91,15 @@ class Autotuner {
   void StartSample(Time at);
   void CloseSubSample(Time at);
   bool Score(double score, TunedValues* next);
+  bool Confirm(double score, TunedValues* next);
+  // Announce v as the next setting to sample / as the one kept: both return true.
+  bool Try(const TunedValues& v, TunedValues* next);
+  bool Keep(const TunedValues& v, double score, TunedValues* next);
   void Freeze();
   std::vector<double> Point(const TunedValues& v) const;
   TunedValues Values(const std::vector<double>& point) const;
   std::vector<double> Snap(const std::vector<double>& point) const;
-  void Write(const TunedValues& v, double score);
+  void Write(const TunedValues& v, double score, const char* phase);
 
   const Logger& log_;
   std::string log_path_;
@@ -87,6 +108,7 @@ class Autotuner {
   int steps_per_sample_;
   int max_samples_;
   double noise_;
+  int confirm_rounds_;
   bool cache_enabled_;
   bool fixed_[kNumKnobs];
   std::atomic<bool> zero_bucket_used_{false};
@@ -96,7 +118,8 @@ class Autotuner {
   std::vector<Knob> dims_;
   std::unique_ptr<BayesianOptimizer> bo_;
   std::vector<std::vector<double>> first_points_;  // tried before the optimiser proposes
-  std::vector<TunedValues> tried_;                 // by sample, for the best row
+  std::vector<TunedValues> tried_;                 // by sample; [0] is the starting setting
+  std::optional<Confirmation> confirm_;            // after the search, with confirm_rounds_ > 0
   TunedValues current_;
   bool waiting_ = false;
   bool done_ = false;

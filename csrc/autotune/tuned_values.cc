@@ -26,6 +26,11 @@ TunedValues StartingValues(const Params& p) {
   return v;
 }
 
+bool SameSettings(const TunedValues& a, const TunedValues& b) {
+  return a.fusion_threshold_bytes == b.fusion_threshold_bytes && a.cycle_time_ms == b.cycle_time_ms &&
+         a.zero_bucket_bytes == b.zero_bucket_bytes && a.zero_prefetch == b.zero_prefetch;
+}
+
 std::vector<uint8_t> EncodeTuned(const TunedValues& v) {
   const Wire w{v.fusion_threshold_bytes, v.cycle_time_ms, v.zero_bucket_bytes, v.zero_prefetch, v.tuning ? 1 : 0};
   std::vector<uint8_t> out(sizeof(w));

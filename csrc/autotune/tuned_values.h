@@ -16,9 +16,12 @@ struct TunedValues {
   int64_t zero_bucket_bytes = 0;       // HOROVOD_ZERO_BUCKET_BYTES
   int32_t zero_prefetch = 0;           // HOROVOD_ZERO_PREFETCH
   // True while samples are being taken; false once the tuning has ended: these are
-  // then the best values found, kept for the rest of the job.
+  // then the values kept for the rest of the job.
   bool tuning = true;
 };
+
+// Whether a and b are the same four settings (the tuning flag aside).
+bool SameSettings(const TunedValues& a, const TunedValues& b);
 
 // The values the job starts with: the settings of init().
 TunedValues StartingValues(const Params& p);

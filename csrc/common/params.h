@@ -23,13 +23,14 @@ struct Params {
   int direct_max_tensors = -1;  // HOROVOD_ZERO_DIRECT_MAX_TENSORS; 0: never; -1: by world size (ops/plan_direct.cc)
   int64_t copy_stream_bytes = 8ll * 1024 * 1024;         // HOROVOD_ZERO_COPY_STREAM_BYTES; 0: never
 
-  // Autotuning (autotune/autotuner.h), Horovod's variables.
+  // Autotuning (autotune/autotuner.h), Horovod's variables and one of ours.
   bool autotune = false;               // HOROVOD_AUTOTUNE
   std::string autotune_log;            // HOROVOD_AUTOTUNE_LOG: rank 0 writes its samples there
   int autotune_warmup_samples = 3;     // HOROVOD_AUTOTUNE_WARMUP_SAMPLES
   int autotune_steps_per_sample = 10;  // HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE
   int autotune_max_samples = 20;       // HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES
   double autotune_noise = 0.8;         // HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE
+  int autotune_confirm_rounds = 3;     // HOROVOD_AUTOTUNE_CONFIRM_ROUNDS (ours): the best against the start
   // The ZeRO optimizer's settings at init() (HOROVOD_ZERO_BUCKET_BYTES, HOROVOD_ZERO_PREFETCH):
   // the tuner starts from them; Python reads them itself.
   int64_t zero_bucket_bytes = 32ll * 1024 * 1024;

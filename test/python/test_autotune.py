@@ -1,13 +1,16 @@
 """HOROVOD_AUTOTUNE against Horovod's documented behaviour (its docs/autotune.rst): the
 variables and horovodrun's --autotune flags are accepted; warm-up samples are discarded,
 then the configured number of samples is scored and logged with Horovod's columns,
-the last row being the best setting, which every rank then keeps; a setting given
-explicitly is held constant; and no result changes. ZeRO's bucket size and prefetch
-depth are tuned too, changing at the same step on every rank. The optimiser itself
-(Gaussian process, expected improvement) is tested in test/cpp/autotune_test.cc."""
+then (ours, HOROVOD_AUTOTUNE_CONFIRM_ROUNDS) the best and the starting setting are
+measured again in turn, and the last row is the setting kept, which every rank then
+keeps; a setting given explicitly is held constant; and no result changes. ZeRO's
+bucket size and prefetch depth are tuned too, changing at the same step on every rank.
+The optimiser itself (Gaussian process, expected improvement) and the confirmation's
+rule on scores it is given are tested in test/cpp/autotune_test.cc."""
 
 import csv
 import os
+import statistics
 
 import pytest
 import torch
@@ -25,39 +28,60 @@ from test_zero_stage3 import Net, adamw, full_params, reference, rel_errors, tra
 HOROVOD_COLUMNS = ["hierarchical_allreduce", "hierarchical_allgather", "torus_allreduce", "cache_enabled",
                    "cycle_time_ms", "tensor_fusion_threshold", "score"]
 SAMPLES = 5
+ROUNDS = 2
 TINY = {"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "1", "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "1",
-        "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": str(SAMPLES), "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE": "0.5"}
+        "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": str(SAMPLES), "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE": "0.5",
+        "HOROVOD_AUTOTUNE_CONFIRM_ROUNDS": str(ROUNDS)}
 
 
 def _log(path):
+    """The header, and the rows: numbers, then the phase."""
     with open(path) as f:
         rows = list(csv.reader(f))
-    return rows[0], [[float(x) for x in r] for r in rows[1:]]
+    return rows[0], [[float(x) for x in r[:-1]] + [r[-1]] for r in rows[1:]]
 
 
-def _check_log(path, samples):
-    """Horovod's columns first; a row per scored sample, then the best one again."""
+def _setting(row):
+    return row[4], row[5], row[7], row[8]  # cycle time, fusion threshold, bucket, prefetch
+
+
+def _check_log(path, samples, rounds):
+    """Horovod's columns first, then ours; a "search" row per scored sample; unless the
+    starting setting (the first) scored best, "confirm" rows of the best and the start in
+    turn; then the setting kept. The search rows and the kept one."""
     header, rows = _log(path)
-    assert header[:7] == HOROVOD_COLUMNS and header[7:] == ["zero_bucket_mb", "zero_prefetch"], header
-    assert len(rows) == samples + 1, rows
-    best = max(rows[:-1], key=lambda r: r[6])
-    assert rows[-1] == best, (rows[-1], best)
-    return header, rows
+    assert header[:7] == HOROVOD_COLUMNS and header[7:] == ["zero_bucket_mb", "zero_prefetch", "phase"], header
+    search, confirm, kept = rows[:samples], rows[samples:-1], rows[-1]
+    best = max(search, key=lambda r: r[6])
+    if rounds == 0 or _setting(best) == _setting(search[0]):
+        assert confirm == [] and kept[:-1] == best[:-1], (rows, best)
+    else:
+        assert [_setting(r) for r in confirm] == [_setting(best), _setting(search[0])] * rounds, rows
+        assert {r[-1] for r in confirm} == {"confirm"}, rows
+        assert _setting(kept) in (_setting(best), _setting(search[0])), rows
+        # Its score is its median over the rounds.
+        assert kept[6] == pytest.approx(statistics.median(r[6] for r in confirm if _setting(r) == _setting(kept)),
+                                        rel=1e-5), rows
+    assert [r[-1] for r in search] == ["search"] * samples and kept[-1] == "kept", rows
+    return search, kept
 
 
 def test_variables_are_read_and_checked():
     s = settings.read({})
     assert (s.autotune, s.autotune_log, s.autotune_warmup_samples, s.autotune_steps_per_sample,
             s.autotune_max_samples, s.autotune_noise) == (False, "", 3, 10, 20, 0.8)  # Horovod's defaults
+    assert s.autotune_confirm_rounds == 3
     s = settings.read({**TINY, "HOROVOD_AUTOTUNE_LOG": "/tmp/x.csv", "HOROVOD_FUSION_THRESHOLD": "0"})
     assert (s.autotune, s.autotune_log, s.autotune_max_samples, s.autotune_noise) == (True, "/tmp/x.csv", SAMPLES, 0.5)
     p = settings.core_params(s, hvd.basics._core.Params())
+    assert p.autotune_confirm_rounds == ROUNDS
     # Set explicitly: held constant, as Horovod does; the rest is tuned.
     assert (p.fixed_fusion_threshold, p.fixed_cycle_time, p.fixed_zero_bucket, p.fixed_zero_prefetch) == \
         (True, False, False, False)
     assert (p.zero_bucket_bytes, p.zero_prefetch, p.autotune_steps_per_sample) == (32 << 20, 1, 1)
     bad = {"HOROVOD_AUTOTUNE": "yes", "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE": "1.5",
-           "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "0", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "-1"}
+           "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "0", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "-1",
+           "HOROVOD_AUTOTUNE_CONFIRM_ROUNDS": "-1"}
     with pytest.raises(ValueError) as e:
         settings.read(bad)
     for name, value in bad.items():
@@ -79,14 +103,13 @@ def test_allreduces_tune_to_the_end_keep_the_best_and_stay_exact(tmp_path):
     log = tmp_path / "autotune.csv"
     out = launch(autotune_job.launched, 2, env={**TINY, "HOROVOD_AUTOTUNE_LOG": str(log)}, timeout=120)
     assert sorted(out) == [0, 1] and all(s == "ok" for s, _ in out.values()), out
-    _, rows = _check_log(log, SAMPLES)
+    rows, kept = _check_log(log, SAMPLES, ROUNDS)
     # The first scored sample is the setting the job started with (the warm-up's is dropped).
     assert (rows[0][4], rows[0][5]) == (1.0, 128.0)
-    assert len({(r[4], r[5]) for r in rows[:-1]}) == SAMPLES  # each sample tried another setting
-    best = rows[-1]
+    assert len({(r[4], r[5]) for r in rows}) == SAMPLES  # each sample tried another setting
     for _, r in out.values():
-        # Every rank keeps the best setting; the tuning ended at the same step everywhere.
-        assert r["fusion_threshold"] == int(best[5]) << 20 and r["cycle_time_ms"] == pytest.approx(best[4], rel=1e-5)
+        # Every rank keeps the logged setting; the tuning ended at the same step everywhere.
+        assert r["fusion_threshold"] == int(kept[5]) << 20 and r["cycle_time_ms"] == pytest.approx(kept[4], rel=1e-5)
         assert r["autotune"]["tuning"] is False and r["steps"] == out[0][1]["steps"]
 
 
@@ -95,12 +118,13 @@ def test_horovodrun_autotune_flags_hold_an_explicit_setting(tmp_path):
     out = _run([HOROVODRUN, "-np", "2", "--autotune", "--autotune-log-file", str(log),
                 "--autotune-warmup-samples", "0", "--autotune-steps-per-sample", "1",
                 "--autotune-bayes-opt-max-samples", "3", "--autotune-gaussian-process-noise", "0.5",
-                "--fusion-threshold-mb", "8", "python", os.path.join(ROOT, "test", "python", "autotune_job.py")])
+                "--fusion-threshold-mb", "8", "python", os.path.join(ROOT, "test", "python", "autotune_job.py")],
+               HOROVOD_AUTOTUNE_CONFIRM_ROUNDS="0")  # no flag: the variable reaches the ranks as it is
     ranks = _ranks(out)
     assert [int(r["rank"]) for r in ranks] == [0, 1]
-    _, rows = _check_log(log, 3)
-    assert {r[5] for r in rows} == {8.0}  # --fusion-threshold-mb given: held constant
-    assert len({r[4] for r in rows[:-1]}) == 3  # the cycle time was tuned
+    rows, kept = _check_log(log, 3, 0)  # the best-scoring sample kept, as by Horovod
+    assert {r[5] for r in rows + [kept]} == {8.0}  # --fusion-threshold-mb given: held constant
+    assert len({r[4] for r in rows}) == 3  # the cycle time was tuned
     assert all(int(r["fusion_threshold"]) == 8 << 20 for r in ranks)
 
 
@@ -180,12 +204,11 @@ def test_zero_stage3_bucket_and_prefetch_change_at_steps_alike_and_results_do_no
     out = launch(_zero_stage3_tuned, 2, str(log), env=env, timeout=150)
     assert sorted(out) == [0, 1] and all(s == "ok" for s, _ in out.values()), out
     r0, r1 = out[0][1], out[1][1]
-    _, rows = _check_log(log, samples)
+    rows, kept = _check_log(log, samples, ROUNDS)
     assert len({r[7] for r in rows}) > 1 and len({r[8] for r in rows}) > 1  # both ZeRO knobs were tuned
-    # Each step's settings are the same on both ranks, and end at the best ones.
+    # Each step's settings are the same on both ranks, and end at the kept ones.
     assert r0["seen"] == r1["seen"] and len(set(r0["seen"])) > 1
-    best = rows[-1]
-    assert r0["seen"][-1] == (int(best[7]) << 20, int(best[8]))
+    assert r0["seen"][-1] == (int(kept[7]) << 20, int(kept[8]))
     assert (r0["final"]["zero_bucket_bytes"], r0["final"]["zero_prefetch"]) == r0["seen"][-1]
     for r in (r0, r1):
         assert max(r["errors"].values()) < 1e-6, r["errors"]
