@@ -45,7 +45,7 @@ def run_until_tuned(step_fn, max_steps):
             step_fn()
             return k + 2, hvd.runtime_info()["autotune"]
     raise SystemExit(f"The autotuner did not finish within {max_steps} steps: raise --tune-max-steps, or lower "
-                     "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE / HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES.")
+                     "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE / _BAYES_OPT_MAX_SAMPLES / _CONFIRM_ROUNDS.")
 
 
 def tuned_text(steps, tuned):

@@ -10,7 +10,8 @@
 #   ZERO_ARGS: more bench_zero.py arguments (default: --micro-batch 1 --steps 30 --extras none)
 #   COLL_ARGS: bench_collectives.py arguments (default: --totals 64MiB,1GiB)
 #   TUNE:      HOROVOD_AUTOTUNE_* settings of the tuned run (default: 5 steps per sub-sample, so
-#              (3 + 20) samples x 5 sub-samples x 5 steps: 575 tensor repeats; Horovod's 10 doubles it)
+#              (3 + 20 + 2 x 3 confirmation rounds) samples x 5 sub-samples x 5 steps: 725 tensor
+#              repeats; Horovod's 10 doubles it)
 # SKIP_BUILD=1 reuses a warm machine's build. Logs go to $OUT.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
