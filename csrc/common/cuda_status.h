@@ -13,6 +13,8 @@ namespace hvdz {
 
 inline Status CudaStatus(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return Status::OK();
+  // Clear the thread's last error, or the framework's next CUDA call reports ours as its own.
+  cudaGetLastError();
   return Status::Error(std::string(what) + " failed: " + cudaGetErrorString(e));
 }
 

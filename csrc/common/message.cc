@@ -116,6 +116,7 @@ void PutResponse(ByteWriter& w, const Response& r) {
   w.Put<uint8_t>(static_cast<uint8_t>(r.dtype));
   w.Put<uint8_t>(static_cast<uint8_t>(r.out_dtype));
   w.Put<uint8_t>(r.on_cuda ? 1 : 0);
+  w.PutInts(std::vector<int64_t>(r.devices.begin(), r.devices.end()));
   w.Put<int32_t>(r.root);
   w.Put<double>(r.prescale);
   w.Put<double>(r.postscale);
@@ -133,6 +134,8 @@ Response GetResponse(ByteReader& rd) {
   r.dtype = static_cast<DataType>(rd.Get<uint8_t>());
   r.out_dtype = static_cast<DataType>(rd.Get<uint8_t>());
   r.on_cuda = rd.Get<uint8_t>() != 0;
+  const auto devices = rd.GetInts();
+  r.devices.assign(devices.begin(), devices.end());
   r.root = rd.Get<int32_t>();
   r.prescale = rd.Get<double>();
   r.postscale = rd.Get<double>();
@@ -175,6 +178,8 @@ bool Response::Matches(const Request& q) const {
       q.on_cuda() != on_cuda) {
     return false;
   }
+  // A tensor moved to another device pairs devices anew: negotiate it again.
+  if (on_cuda && (q.rank >= static_cast<int32_t>(devices.size()) || devices[q.rank] != q.device)) return false;
   switch (op) {
     case OpType::kAllreduce:
     case OpType::kReducescatter:
@@ -216,6 +221,11 @@ Response MakeResponse(const std::vector<Request>& reqs, const std::vector<int>& 
                    ? MissingJoinedError(r0.name, r0.op, missing_joined)
                    : CheckAgreement(reqs, scope);
   if (!resp.ok()) return resp;
+  if (resp.on_cuda) {
+    resp.devices.assign(reqs.size() + missing_joined.size(), -1);
+    for (const auto& r : reqs)
+      if (r.rank >= 0 && r.rank < static_cast<int32_t>(resp.devices.size())) resp.devices[r.rank] = r.device;
+  }
   if (r0.op == OpType::kAllgather || r0.op == OpType::kAlltoall) {
     for (const auto& r : reqs) resp.first_dims.push_back(r.shape.empty() ? 1 : r.shape[0]);
   }

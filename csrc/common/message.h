@@ -25,7 +25,7 @@ struct Request {
   ReduceOp reduce_op = ReduceOp::kSum;
   DataType dtype = DataType::kFloat32;      // input dtype
   DataType out_dtype = DataType::kFloat32;  // wire and output dtype (allgather may cast)
-  int32_t device = kCpuDevice;              // ranks must agree on the kind, not the index
+  int32_t device = kCpuDevice;              // ranks must agree on the kind; the index is each rank's own
   int32_t root = 0;                         // broadcast only; a rank of the process set
   double prescale = 1.0;
   double postscale = 1.0;
@@ -42,6 +42,9 @@ struct Response {
   DataType dtype = DataType::kFloat32;
   DataType out_dtype = DataType::kFloat32;
   bool on_cuda = false;
+  // CUDA: every rank's device, in rank order; -1 for a joined rank that did not
+  // submit the tensor. See [Note: model parallelism] in runtime/device_maps.h.
+  std::vector<int32_t> devices;
   int32_t root = 0;
   double prescale = 1.0;
   double postscale = 1.0;

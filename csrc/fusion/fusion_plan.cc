@@ -6,7 +6,8 @@ namespace hvdz {
 namespace {
 
 bool Compatible(const Response& a, const Response& b) {
-  if (a.op != b.op || a.dtype != b.dtype || a.out_dtype != b.out_dtype || a.on_cuda != b.on_cuda)
+  if (a.op != b.op || a.dtype != b.dtype || a.out_dtype != b.out_dtype || a.on_cuda != b.on_cuda ||
+      a.devices != b.devices)
     return false;
   switch (a.op) {
     case OpType::kAllreduce:

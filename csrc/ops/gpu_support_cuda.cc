@@ -35,7 +35,8 @@ class CudaSupport : public GpuSupport {
 
   // After every context: the runtime drops its process sets first.
   ~CudaSupport() override {
-    for (auto ev : free_events_) cudaEventDestroy(ev);
+    for (auto& kv : free_events_)
+      for (auto ev : kv.second) cudaEventDestroy(ev);
     for (auto& kv : devices_) {
       kv.second.copies.reset();
       cudaStreamDestroy(kv.second.stream);
@@ -44,12 +45,12 @@ class CudaSupport : public GpuSupport {
 
   Status RecordReadyEvent(int device, void* stream, std::shared_ptr<void>* event) override {
     DeviceGuard g(device);
-    cudaEvent_t ev = TakeEvent();
+    cudaEvent_t ev = TakeEvent(device);
     if (ev == nullptr)
       HVDZ_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate"));
     // Back to the pool when the last entry using it is done: creating an event
     // per enqueue would cost microseconds on the framework thread.
-    std::shared_ptr<void> holder(ev, [this](void* e) { ReturnEvent(static_cast<cudaEvent_t>(e)); });
+    std::shared_ptr<void> holder(ev, [this, device](void* e) { ReturnEvent(device, static_cast<cudaEvent_t>(e)); });
     HVDZ_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(ev, static_cast<cudaStream_t>(stream)), "cudaEventRecord"));
     *event = std::move(holder);
     return Status::OK();
@@ -86,9 +87,10 @@ class CudaSupport : public GpuSupport {
   Status DeviceOf(int device, Device** out) {
     auto it = devices_.find(device);
     if (it == devices_.end()) {
-      // No guard: this thread is ours and works for this one device from now on. Setting the
-      // previous device back (device 0 on a new thread) would make a CUDA context there, on
-      // CUDA 12 and later: every rank would then hold about 500 MiB of GPU 0.
+      // No guard: this thread is ours, and each context sets its device before it works
+      // (model parallelism: see [Note: model parallelism] in runtime/device_maps.h). Setting
+      // the previous device back (device 0 on a new thread) would make a CUDA context there,
+      // on CUDA 12 and later: every rank would then hold about 500 MiB of GPU 0.
       HVDZ_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device), "cudaSetDevice"));
       // High priority: collectives should not queue behind the compute they overlap.
       int lo = 0, hi = 0;
@@ -103,22 +105,24 @@ class CudaSupport : public GpuSupport {
     return Status::OK();
   }
 
-  cudaEvent_t TakeEvent() {
+  // An event records only on a stream of the device it was made on: a pool per device.
+  cudaEvent_t TakeEvent(int device) {
     std::lock_guard<std::mutex> lk(pool_mu_);
-    if (free_events_.empty()) return nullptr;
-    cudaEvent_t ev = free_events_.back();
-    free_events_.pop_back();
+    auto& pool = free_events_[device];
+    if (pool.empty()) return nullptr;
+    cudaEvent_t ev = pool.back();
+    pool.pop_back();
     return ev;
   }
-  void ReturnEvent(cudaEvent_t ev) {
+  void ReturnEvent(int device, cudaEvent_t ev) {
     std::lock_guard<std::mutex> lk(pool_mu_);
-    free_events_.push_back(ev);
+    free_events_[device].push_back(ev);
   }
 
   Params params_;
   const Logger& log_;
   std::mutex pool_mu_;
-  std::vector<cudaEvent_t> free_events_;  // one device per process, so one pool
+  std::unordered_map<int, std::vector<cudaEvent_t>> free_events_;
   std::unordered_map<int, Device> devices_;
 };
 

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "runtime/device_maps.h"
+
 namespace hvdz {
 
 ProcessSet::ProcessSet(int32_t id, std::vector<int> world_ranks, int world_rank, const Params& params,
@@ -24,25 +26,22 @@ ProcessSet::ProcessSet(int32_t id, std::vector<int> world_ranks, int world_rank,
 }
 
 // The contexts go first: they drain CUDA work that may still use the communicators.
-ProcessSet::~ProcessSet() { cuda_ctx_.clear(); }
+ProcessSet::~ProcessSet() { cuda_.clear(); }
 
 int ProcessSet::SetRankOf(int world_rank) const {
   auto it = std::lower_bound(world_ranks_.begin(), world_ranks_.end(), world_rank);
   return it != world_ranks_.end() && *it == world_rank ? static_cast<int>(it - world_ranks_.begin()) : -1;
 }
 
-DeviceContext* ProcessSet::cuda(int device) {
-  auto it = cuda_ctx_.find(device);
-  return it == cuda_ctx_.end() ? nullptr : it->second.get();
+ProcessSet::CudaMap* ProcessSet::FindCuda(const std::vector<int32_t>& devices) {
+  std::vector<std::vector<int32_t>> maps;
+  for (const auto& m : cuda_) maps.push_back(m.devices);
+  const int i = FindDeviceMap(maps, devices);
+  return i < 0 ? nullptr : &cuda_[i];
 }
 
-std::vector<int> ProcessSet::cuda_devices() const {
-  std::vector<int> out;
-  for (const auto& kv : cuda_ctx_) out.push_back(kv.first);
-  std::sort(out.begin(), out.end());
-  return out;
+void ProcessSet::AddCuda(std::vector<int32_t> devices, int device, std::unique_ptr<DeviceContext> ctx) {
+  cuda_.push_back({std::move(devices), device, std::move(ctx)});
 }
-
-void ProcessSet::AddCuda(int device, std::unique_ptr<DeviceContext> ctx) { cuda_ctx_[device] = std::move(ctx); }
 
 }  // namespace hvdz

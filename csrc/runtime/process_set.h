@@ -8,7 +8,7 @@
 // communicator (Gloo, a group of its own ranks), its Controller (response cache,
 // coordinator at its rank 0, stall inspector naming its world ranks), its
 // Executor (its rank and size) and its device contexts (one NCCL communicator per
-// device). A tensor is named by its set and its name, so the same name in two
+// device map, see [Note: model parallelism] in runtime/device_maps.h). A tensor is named by its set and its name, so the same name in two
 // sets is two tensors, and fusion never mixes sets: each set fuses its own
 // response list.
 //
@@ -93,15 +93,22 @@ class ProcessSet {
   Controller& controller() { return *controller_; }
   Executor& executor() { return *executor_; }
   CpuContext& cpu() { return *cpu_ctx_; }
-  // The context of CUDA device `device`, or nullptr before the set's first CUDA op there.
-  DeviceContext* cuda(int device);
-  std::vector<int> cuda_devices() const;
-  void AddCuda(int device, std::unique_ptr<DeviceContext> ctx);
+  // A CUDA communicator and its context, for one device map (see [Note: model
+  // parallelism] in runtime/device_maps.h): every rank's device, and this rank's.
+  struct CudaMap {
+    std::vector<int32_t> devices;
+    int device;
+    std::unique_ptr<DeviceContext> ctx;
+  };
+  // The map that `devices` (a response's) runs on, or nullptr when it needs a new one.
+  CudaMap* FindCuda(const std::vector<int32_t>& devices);
+  void AddCuda(std::vector<int32_t> devices, int device, std::unique_ptr<DeviceContext> ctx);
+  const std::vector<CudaMap>& cuda_maps() const { return cuda_; }
   // Drains and drops the CUDA contexts (in-flight work finishes first).
-  void DropCuda() { cuda_ctx_.clear(); }
+  void DropCuda() { cuda_.clear(); }
   // After a peer failed: in-flight CUDA work is ended, not waited for (DropCuda then returns at once).
   void AbortCuda() {
-    for (auto& kv : cuda_ctx_) kv.second->Abort();
+    for (auto& m : cuda_) m.ctx->Abort();
   }
 
  private:
@@ -113,7 +120,7 @@ class ProcessSet {
   std::unique_ptr<Controller> controller_;
   std::unique_ptr<Executor> executor_;
   std::unique_ptr<CpuContext> cpu_ctx_;
-  std::unordered_map<int, std::unique_ptr<DeviceContext>> cuda_ctx_;
+  std::vector<CudaMap> cuda_;  // in the order they were made, the same on every rank
 };
 
 }  // namespace hvdz

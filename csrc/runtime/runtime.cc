@@ -78,19 +78,28 @@ Status Runtime::SetTimeline(const std::string& path, bool mark_cycles) {
   return timeline_.Switch(path, mark_cycles, [this] { queue_.Wake(); }, timeout);
 }
 
-Status Runtime::CheckDevice(const TensorEntry& e) {
-  if (!e.request.on_cuda()) return Status::OK();
-  if (!gpu_) {
-    return Status::InvalidArgument("Tensor '" + e.request.name +
-                                   "' is on CUDA, but this process has no CUDA support: horovod_zero was built "
-                                   "without CUDA, or no GPU is visible. Rebuild on a machine with the CUDA "
-                                   "toolkit and NCCL, or move the tensor to the CPU.");
+Status Runtime::CheckDevices(const std::vector<TensorEntry>& entries) {
+  const TensorEntry* first = nullptr;
+  for (const auto& e : entries) {
+    if (!e.request.on_cuda()) continue;
+    if (!gpu_) {
+      return Status::InvalidArgument("Tensor '" + e.request.name +
+                                     "' is on CUDA, but this process has no CUDA support: horovod_zero was built "
+                                     "without CUDA, or no GPU is visible. Rebuild on a machine with the CUDA "
+                                     "toolkit and NCCL, or move the tensor to the CPU.");
+    }
+    if (first == nullptr) first = &e;
+    // One ready event, on one device's stream, orders every input of the call.
+    if (e.request.device != first->request.device) {
+      return Status::InvalidArgument("Tensors '" + first->request.name + "' (cuda:" +
+                                     std::to_string(first->request.device) + ") and '" + e.request.name +
+                                     "' (cuda:" + std::to_string(e.request.device) + ") are in one grouped op. "
+                                     "Group the tensors of each device separately.");
+    }
   }
-  int expected = -2;
-  if (!cuda_device_.compare_exchange_strong(expected, e.request.device) && expected != e.request.device) {
-    return Status::InvalidArgument("Tensor '" + e.request.name + "' is on cuda:" +
-                                   std::to_string(e.request.device) + ", but this process already uses cuda:" +
-                                   std::to_string(expected) + ". Use one CUDA device per process (hvd.device()).");
+  if (first != nullptr) {
+    int expected = -2;
+    cuda_device_.compare_exchange_strong(expected, first->request.device);
   }
   return Status::OK();
 }
@@ -98,8 +107,8 @@ Status Runtime::CheckDevice(const TensorEntry& e) {
 Status Runtime::Enqueue(std::vector<TensorEntry> entries, void* cuda_stream, std::vector<int64_t>* handles) {
   auto now = Clock::now();
   std::shared_ptr<void> ready;
+  HVDZ_RETURN_IF_ERROR(CheckDevices(entries));
   for (auto& e : entries) {
-    HVDZ_RETURN_IF_ERROR(CheckDevice(e));
     if (e.request.on_cuda() && !ready) HVDZ_RETURN_IF_ERROR(gpu_->RecordReadyEvent(e.request.device, cuda_stream, &ready));
   }
   // Held until the entries are queued, so that a set removed meanwhile fails them
@@ -126,20 +135,34 @@ Status Runtime::Enqueue(std::vector<TensorEntry> entries, void* cuda_stream, std
   return Status::OK();
 }
 
-Status Runtime::ContextFor(ProcessSet& ps, const TensorEntry& e, DeviceContext** ctx) {
-  if (!e.request.on_cuda()) {
+Status Runtime::ContextFor(ProcessSet& ps, const Response& r, bool joined, int* device, DeviceContext** ctx) {
+  *device = kCpuDevice;
+  if (!r.on_cuda) {
     *ctx = &ps.cpu();
     return Status::OK();
   }
-  *ctx = ps.cuda(e.request.device);
-  if (*ctx != nullptr) return Status::OK();
-  // The set's first CUDA response, which all its ranks reach at the same point.
+  if (!gpu_) {
+    return Status::Error("Rank " + std::to_string(world_.rank) + " cannot run the CUDA " + OpTypeName(r.op) +
+                         " of '" + r.name + "'" + ps.scope().Where() + ": this process has no CUDA support.");
+  }
+  if (auto* m = ps.FindCuda(r.devices)) {
+    *device = m->device;
+    *ctx = m->ctx.get();
+    return Status::OK();
+  }
+  // A new device map, which all the set's ranks reach at the same point.
+  const int mine = ps.rank() < static_cast<int>(r.devices.size()) ? r.devices[ps.rank()] : -1;
+  *device = mine >= 0 ? mine : join_device_ >= 0 ? join_device_.load() : cuda_device_.load();
+  if (*device < 0) {
+    return Status::Error("Rank " + std::to_string(world_.rank) + " joined without a CUDA device for its zeros in "
+                         "the allreduce of '" + r.name + "': pass hvd.join(device=...).");
+  }
   std::unique_ptr<DeviceContext> c;
-  HVDZ_RETURN_IF_ERROR(gpu_->CreateContext(e.request.device, ps.control(), *alloc_, &c));
-  HVDZ_LOG(logger_, kDebug) << "NCCL communicator of " << ps.scope().Name() << " on cuda:" << e.request.device
-                            << " created";
+  HVDZ_RETURN_IF_ERROR(gpu_->CreateContext(*device, ps.control(), *alloc_, &c));
+  HVDZ_LOG(logger_, kDebug) << "NCCL communicator of " << ps.scope().Name() << " on cuda:" << *device
+                            << " created, for devices " << ShapeString(std::vector<int64_t>(r.devices.begin(), r.devices.end()));
   *ctx = c.get();
-  ps.AddCuda(e.request.device, std::move(c));
+  ps.AddCuda(r.devices, *device, std::move(c));
   return Status::OK();
 }
 
@@ -160,6 +183,10 @@ void Runtime::LogGroup(const ProcessSet& ps, const std::vector<const Response*>&
 
 void Runtime::ExecuteGroup(ProcessSet& ps, const std::vector<const Response*>& group, bool joined,
                            Clock::time_point negotiated) {
+  // Every rank resolves the group's devices, so that a pairing error fails it everywhere.
+  int device = kCpuDevice;
+  DeviceContext* ctx = nullptr;
+  const Status ctx_status = ContextFor(ps, *group.front(), joined, &device, &ctx);
   std::vector<TensorEntry> entries;
   std::vector<const Response*> mine;
   auto now = Clock::now();
@@ -167,9 +194,10 @@ void Runtime::ExecuteGroup(ProcessSet& ps, const std::vector<const Response*>& g
     TensorEntry e;
     if (!queue_.Take(ps.id(), r->name, &e)) {
       // A joined rank has no entry for the others' allreduces: it adds zeros.
-      Status s = joined && r->op == OpType::kAllreduce
-                     ? StandIn(*r, &e)
-                     : Status::Error("Response for '" + r->name + "', which this rank never submitted.");
+      Status s = !joined || r->op != OpType::kAllreduce
+                     ? Status::Error("Response for '" + r->name + "', which this rank never submitted.")
+                     : !ctx_status.ok() ? ctx_status
+                                        : StandIn(*r, device, *ctx, &e);
       if (!s.ok()) {
         HVDZ_LOG(logger_, kError) << s.reason();
         continue;
@@ -185,10 +213,8 @@ void Runtime::ExecuteGroup(ProcessSet& ps, const std::vector<const Response*>& g
   }
   if (entries.empty()) return;
   if (logger_.Enabled(LogLevel::kDebug)) LogGroup(ps, mine);
-  DeviceContext* ctx = nullptr;
-  Status s = ContextFor(ps, entries.front(), &ctx);
-  if (!s.ok()) {
-    for (auto& e : entries) Complete(e, s);
+  if (!ctx_status.ok()) {
+    for (auto& e : entries) Complete(e, ctx_status);
     return;
   }
   ps.executor().Execute(*ctx, mine, std::move(entries));

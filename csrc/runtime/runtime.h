@@ -121,7 +121,7 @@ class Runtime {
   bool PendingElsewhere();
   // runtime_join.cc: this joined rank's zeros for an allreduce it did not submit,
   // and join()'s return.
-  Status StandIn(const Response& r, TensorEntry* e);
+  Status StandIn(const Response& r, int device, DeviceContext& ctx, TensorEntry* e);
   void CompleteJoin(int last_joined);
   // Why the loop stopped when other ranks asked it to.
   Status PeersLeft(const std::vector<int>& ranks);
@@ -130,8 +130,11 @@ class Runtime {
   // `peers_pending`: some rank waits on another process set's work.
   Clock::duration NextWait(bool busy, bool peers_pending, Clock::duration* idle_period);
   void LogGroup(const ProcessSet& ps, const std::vector<const Response*>& group) const;
-  Status ContextFor(ProcessSet& ps, const TensorEntry& e, DeviceContext** ctx);
-  Status CheckDevice(const TensorEntry& e);
+  // The context that runs `r` on this rank (see [Note: model parallelism]); `joined`:
+  // this rank stands in for tensors it did not submit.
+  Status ContextFor(ProcessSet& ps, const Response& r, bool joined, int* device, DeviceContext** ctx);
+  // One Enqueue's entries: CUDA support for CUDA tensors, and one device for them all.
+  Status CheckDevices(const std::vector<TensorEntry>& entries);
   // runtime_autotune.cc, see [Note: autotuning]: rank 0's announcement put in force
   // on every rank (before the cycle's responses are fused), the tuner's view of the
   // work, and its decision after each loop iteration.
@@ -155,7 +158,7 @@ class Runtime {
   mutable std::shared_mutex sets_mu_;
   std::mutex changes_mu_;
   std::unordered_map<std::string, SetChange> changes_;  // by carrier name, until applied
-  std::atomic<int> cuda_device_{-2};  // the one CUDA device this process uses; -2: none yet
+  std::atomic<int> cuda_device_{-2};  // the first CUDA device this process used: join()'s default; -2: none yet
   std::atomic<int> join_device_{kCpuDevice};  // join()'s device for CUDA zeros
   std::atomic<bool> shutdown_requested_{false};
   // The loop stopped on a communication failure (a peer died or timed out): Shutdown() aborts CUDA work.

@@ -41,25 +41,11 @@ Status Runtime::EnqueueJoin(int cuda_device, const TensorDesc& last_joined, std:
   return Status::OK();
 }
 
-Status Runtime::StandIn(const Response& r, TensorEntry* e) {
-  int device = kCpuDevice;
-  if (r.on_cuda) {
-    if (!gpu_) {
-      return Status::Error("Rank " + std::to_string(world_.rank) + " joined, but cannot add its zeros to the CUDA "
-                           "allreduce of '" + r.name + "': this process has no CUDA support.");
-    }
-    device = join_device_ >= 0 ? join_device_.load() : cuda_device_.load();
-    if (device < 0) {
-      return Status::Error("Rank " + std::to_string(world_.rank) + " joined without a CUDA device for its zeros in "
-                           "the allreduce of '" + r.name + "': pass hvd.join(device=...).");
-    }
-  }
+Status Runtime::StandIn(const Response& r, int device, DeviceContext& ctx, TensorEntry* e) {
   e->request = StandInRequest(r, world_.rank, device);
   e->enqueued = Clock::now();
-  DeviceContext* ctx = nullptr;
-  HVDZ_RETURN_IF_ERROR(ContextFor(global(), *e, &ctx));
   std::shared_ptr<void> input, output;
-  HVDZ_RETURN_IF_ERROR(alloc_->AllocateZeros(device, r.dtype, r.shape, ctx->OutputStream(), &e->input, &input));
+  HVDZ_RETURN_IF_ERROR(alloc_->AllocateZeros(device, r.dtype, r.shape, ctx.OutputStream(), &e->input, &input));
   e->output = e->input;  // reduced in place, then dropped
   if (r.out_dtype != r.dtype) HVDZ_RETURN_IF_ERROR(alloc_->Allocate(device, r.out_dtype, r.shape, &e->output, &output));
   e->keepalive = std::make_shared<std::pair<std::shared_ptr<void>, std::shared_ptr<void>>>(input, output);

@@ -3,6 +3,7 @@
 // global cycle every rank reaches together.
 #include <algorithm>
 
+#include "runtime/device_maps.h"
 #include "runtime/runtime.h"
 
 namespace hvdz {
@@ -146,18 +147,21 @@ void Runtime::Activate(std::unique_ptr<ProcessSet> ps) {
 // cannot split, the set creates its own on its first CUDA op (ContextFor).
 void Runtime::SplitCudaContexts(ProcessSet& set) {
   if (!gpu_) return;
-  for (int device : global().cuda_devices()) {
+  for (const auto& m : global().cuda_maps()) {
     std::unique_ptr<DeviceContext> ctx;
-    Status s = gpu_->SplitContext(*global().cuda(device), set.rank(), *alloc_, &ctx);
+    Status s = gpu_->SplitContext(*m.ctx, set.rank(), *alloc_, &ctx);
     if (!s.ok()) {
       HVDZ_LOG(logger_, kDebug) << "No NCCL communicator split for " << set.scope().Name() << " (" << s.reason()
                                 << "); it creates its own on its first CUDA op";
       continue;
     }
-    if (ctx) {
-      HVDZ_LOG(logger_, kDebug) << "NCCL communicator of " << set.scope().Name() << " on cuda:" << device
+    // The split pairs the set's devices as the global map does. Two global maps may
+    // look alike to the set: it keeps the first (the split was collective all the same).
+    auto devices = ProjectDevices(m.devices, set.world_ranks());
+    if (ctx && set.FindCuda(devices) == nullptr) {
+      HVDZ_LOG(logger_, kDebug) << "NCCL communicator of " << set.scope().Name() << " on cuda:" << m.device
                                 << " split from the global one";
-      set.AddCuda(device, std::move(ctx));
+      set.AddCuda(std::move(devices), m.device, std::move(ctx));
     }
   }
 }

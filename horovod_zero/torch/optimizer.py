@@ -289,7 +289,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if len(tensors) == 1:  # the runtime's cheaper path for one tensor
             return [mpi_ops._enqueue_one(_core.OP_ALLREDUCE, tensors[0], tensors[0], names[0], self.op, pre, post,
                                          process_set=ps)]
-        return mpi_ops._enqueue(_core.OP_ALLREDUCE, tensors, tensors, names, self.op, pre, post, process_set=ps)
+        # A grouped op runs on one device: a group spanning a model split over GPUs goes as one per device.
+        by_device = {}
+        for i, t in enumerate(tensors):
+            by_device.setdefault(t.device, []).append(i)
+        handles = [None] * len(tensors)
+        for idx in by_device.values():
+            hs = mpi_ops._enqueue(_core.OP_ALLREDUCE, [tensors[i] for i in idx], [tensors[i] for i in idx],
+                                  [names[i] for i in idx], self.op, pre, post, process_set=ps)
+            for i, h in zip(idx, hs):
+                handles[i] = h
+        return handles
 
     def _finish(self, r, output):
         p = r.param

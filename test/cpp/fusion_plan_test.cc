@@ -42,6 +42,18 @@ TEST(FusionPlan, DifferentScalesOrRootsDoNotFuse) {
   EXPECT_EQ(PlanFusion(rs, 1 << 20).size(), 4u);
 }
 
+TEST(FusionPlan, TensorsOnDifferentDevicesDoNotFuse) {
+  // Model parallelism: each rank's two GPUs reduce apart.
+  std::vector<Response> rs{R("a", {1}), R("b", {1}), R("c", {1})};
+  for (auto& r : rs) r.on_cuda = true;
+  rs[0].devices = rs[2].devices = {0, 2};
+  rs[1].devices = {1, 3};
+  auto g = PlanFusion(rs, 100);
+  ASSERT_EQ(g.size(), 2u);
+  EXPECT_EQ(g[0], (std::vector<size_t>{0, 2}));
+  EXPECT_EQ(g[1], (std::vector<size_t>{1}));
+}
+
 TEST(FusionPlan, UnevenScatterGivesTheFirstRanksAnExtraRow) {
   EXPECT_EQ(ScatterRows(5, 3, 0), 2);
   EXPECT_EQ(ScatterRows(5, 3, 1), 2);

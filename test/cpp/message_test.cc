@@ -35,6 +35,30 @@ TEST(Message, RequestsAndResponsesRoundTrip) {
   EXPECT_TRUE(rb[0].on_cuda);
 }
 
+TEST(Message, ACudaResponseNamesEveryRanksDevice) {
+  Request a;
+  a.name = "fc2.weight";
+  a.op = OpType::kAllreduce;
+  a.device = 1;
+  a.shape = {4};
+  Request b = a;
+  b.rank = 1;
+  b.device = 3;
+  Response r = MakeResponse({a, b});
+  EXPECT_EQ(r.devices, (std::vector<int32_t>{1, 3}));
+  std::vector<uint8_t> bytes;
+  SerializeResponses({r}, &bytes);
+  std::vector<Response> back;
+  ASSERT_TRUE(ParseResponses(bytes.data(), bytes.size(), &back));
+  EXPECT_EQ(back[0].devices, r.devices);
+  EXPECT_TRUE(r.Matches(b));
+  b.device = 2;  // moved to another GPU: negotiated again
+  EXPECT_FALSE(r.Matches(b));
+  // A joined rank that did not submit it has no device.
+  Response j = MakeResponse({b}, {0});
+  EXPECT_EQ(j.devices, (std::vector<int32_t>{-1, 2}));
+}
+
 TEST(Message, TruncatedBytesAreRejected) {
   Request q;
   q.name = "abc";

@@ -1,7 +1,7 @@
 """The GPU side of Horovod's torch API, on CUDA tensors over NCCL, each against plain
-torch on every rank: hvd.SyncBatchNorm, alltoall with splits, broadcast_optimizer_state,
-and the errors for a tensor that is on the CPU on one rank and on a GPU on another, and
-for a second GPU in one process (model parallelism over GPUs is not supported yet)."""
+torch on every rank: hvd.SyncBatchNorm, alltoall with splits, a model split over two GPUs
+of each process, broadcast_optimizer_state, and the errors for a tensor that is on the CPU
+on one rank and on a GPU on another, and for one grouped op over two GPUs."""
 
 import pytest
 import torch
@@ -46,21 +46,74 @@ def test_alltoall_with_splits_on_cuda(gpus):
         assert received == expected
 
 
-def _two_devices():
-    """A model split over two GPUs of one process: refused with a message that says so
-    (the runtime pairs each process with one GPU: one NCCL communicator per set)."""
-    second = torch.device("cuda", (hvd.device().index + 1) % torch.cuda.device_count())
-    hvd.allreduce(torch.ones(2, device=hvd.device()), name="api.first_gpu")
+def _second_gpu():
+    """Another GPU than hvd.device(), and never another rank's first: with 2 GPUs per
+    rank, rank r holds cuda:r and cuda:r+n; on 2 GPUs, ranks 0 and 1 swap them."""
+    n, count = hvd.size(), torch.cuda.device_count()
+    return torch.device("cuda", (hvd.device().index + (n if count >= 2 * n else 1)) % count)
+
+
+def _split_model(seed, first, second):
+    torch.manual_seed(seed)
+    return torch.nn.Linear(6, 8).to(first), torch.nn.Linear(8, 3).to(second)
+
+
+def _loss(a, b, x, y):
+    return torch.nn.functional.mse_loss(b(torch.tanh(a(x.to(a.weight.device))).to(b.weight.device)),
+                                        y.to(b.weight.device))
+
+
+def _batch(rank, step, dtype=torch.float32):
+    g = torch.Generator().manual_seed(100 * step + rank)  # drawn in fp32 for every dtype: the same values
+    return torch.randn(5, 6, generator=g).to(dtype), torch.randn(5, 3, generator=g).to(dtype)
+
+
+def _model_parallel(groups):
+    """Two layers on two GPUs of each process, Horovod's DistributedOptimizer over them
+    (groups=1: one group over both GPUs), against the same steps in fp64 on the CPU over
+    every rank's batch."""
+    r, n = hvd.rank(), hvd.size()
+    first, second = hvd.device(), _second_gpu()
+    a, b = _split_model(r, first, second)  # every rank starts elsewhere: the broadcast matters
+    named = [("a." + k, p) for k, p in a.named_parameters()] + [("b." + k, p) for k, p in b.named_parameters()]
+    hvd.broadcast_parameters(dict(named), root_rank=0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.5), named_parameters=named,
+                                   groups=groups)
+    ra, rb = (m.double() for m in _split_model(0, "cpu", "cpu"))
+    ref_opt = torch.optim.SGD(list(ra.parameters()) + list(rb.parameters()), lr=0.5)
+    for step in range(3):
+        opt.zero_grad()
+        _loss(a, b, *_batch(r, step)).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        # Horovod averages the ranks' gradients: the mean of the ranks' losses.
+        (sum(_loss(ra, rb, *_batch(q, step, torch.float64)) for q in range(n)) / n).backward()
+        ref_opt.step()
+    err = max((p.detach().cpu().double() - q.detach()).abs().max().item()
+              for p, q in zip(list(a.parameters()) + list(b.parameters()), list(ra.parameters()) + list(rb.parameters())))
+    return str(a.weight.device), str(b.weight.device), err
+
+
+@pytest.mark.parametrize("groups", [None, 1])
+def test_a_model_split_over_two_gpus_of_each_process_trains_as_one(gpus, groups):
+    rows = gpus.run(_model_parallel, groups)
+    for da, db, err in rows:
+        assert da != db, rows
+        assert err < 1e-5, rows
+
+
+def _grouped_over_two_gpus():
+    ts = [torch.ones(2, device=hvd.device()), torch.ones(2, device=_second_gpu())]
     try:
-        hvd.allreduce(torch.ones(2, device=second), name="api.second_gpu")
+        hvd.grouped_allreduce(ts, name="api.two_gpus")
     except ValueError as e:
         return str(e)
     return None
 
 
-def test_a_second_gpu_in_one_process_is_refused_clearly(gpus):
-    for msg in gpus.run(_two_devices):
-        assert msg is not None and "Use one CUDA device per process" in msg, msg
+def test_one_grouped_op_over_two_gpus_is_refused_clearly(gpus):
+    for msg in gpus.run(_grouped_over_two_gpus):
+        assert msg is not None and "Group the tensors of each device separately" in msg, msg
 
 
 def _broadcast_optimizer_state():

@@ -36,13 +36,16 @@ def _sum(y, n):
     return acc
 
 
-def reduced(x, n, op_name, pre, post, allreduce, nccl):
+def reduced(x, n, op_name, pre, post, allreduce, nccl, nccl_avg=None):
     """Every rank's result of allreduce (allreduce=True) or the whole tensor that a
-    reducescatter splits, for x on each of n ranks."""
+    reducescatter splits, for x on each of n ranks. `nccl_avg`: NCCL's own average of
+    a tensor over the ranks (every rank calls it in the same order); without it, a
+    model of ncclAvg as a premultiplied sum, which matched NCCL at two ranks but not at
+    three (by one ulp: NCCL's rounding inside its kernels is its own)."""
     y = scale(x, pre, nccl)
     if op_name == "Average" and nccl and allreduce and x.dtype != torch.bfloat16:
-        y = scale(y, 1.0 / n, nccl)  # ncclAvg
-    elif op_name == "Average":
+        return scale(nccl_avg(y) if nccl_avg else _sum(scale(y, 1.0 / n, nccl), n), post, nccl)  # ncclAvg
+    if op_name == "Average":
         post = post / n
     return scale(_sum(y, n), post, nccl)
 

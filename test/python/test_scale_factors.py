@@ -20,8 +20,8 @@ def _inputs(dt, rows, cols, seed):
     return (torch.rand(rows, cols, generator=g, dtype=torch.float64) * 200 - 100).to(dt)  # values up to 100
 
 
-def exact_scaling(dtype_name, nccl=False, device="cpu"):
-    """Runs on every rank; the same inputs everywhere."""
+def exact_scaling(dtype_name, nccl=False, device="cpu", nccl_avg=None):
+    """Runs on every rank; the same inputs everywhere. `nccl_avg`: see scale_refs.reduced."""
     n, r, dt = hvd.size(), hvd.rank(), dtype(dtype_name)
     # A direct group needs tensors of 1 MiB on average (Gloo's reducescatter ring).
     big_cols = (1 << 20) // (dt.itemsize * 2 * n) + 1
@@ -32,7 +32,7 @@ def exact_scaling(dtype_name, nccl=False, device="cpu"):
             kw = dict(op=op, prescale_factor=pre, postscale_factor=post)
 
             def ref(x, allreduce):
-                return reduced(x, n, op_name, pre, post, allreduce, nccl)
+                return reduced(x, n, op_name, pre, post, allreduce, nccl, nccl_avg)
 
             x = _inputs(dt, 2 * n, 9, 1)
             out = hvd.allreduce(x.to(device), name=f"sx.ar.{tag}", **kw)

@@ -1,0 +1,28 @@
+#include "runtime/device_maps.h"
+
+#include <cstddef>
+
+namespace hvdz {
+
+int FindDeviceMap(const std::vector<std::vector<int32_t>>& maps, const std::vector<int32_t>& devices) {
+  for (size_t i = 0; i < maps.size(); ++i)
+    if (maps[i] == devices) return static_cast<int>(i);
+  bool joined = false;
+  for (auto d : devices) joined = joined || d < 0;
+  if (!joined) return -1;
+  // A joined rank stands in on a map the others already use rather than a new one.
+  for (size_t i = 0; i < maps.size(); ++i) {
+    bool agrees = maps[i].size() == devices.size();
+    for (size_t r = 0; agrees && r < devices.size(); ++r) agrees = devices[r] < 0 || devices[r] == maps[i][r];
+    if (agrees) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+std::vector<int32_t> ProjectDevices(const std::vector<int32_t>& devices, const std::vector<int>& members) {
+  std::vector<int32_t> out;
+  for (int w : members) out.push_back(w >= 0 && w < static_cast<int>(devices.size()) ? devices[w] : -1);
+  return out;
+}
+
+}  // namespace hvdz
