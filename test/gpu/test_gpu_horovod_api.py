@@ -102,6 +102,23 @@ def test_a_model_split_over_two_gpus_of_each_process_trains_as_one(gpus, groups)
         assert err < 1e-5, rows
 
 
+def _join_beside_a_model_split():
+    """Rank 0 allreduces on both its GPUs while the others have joined: they stand in with
+    zeros on a device map of their own or one already made (runtime/device_maps.h)."""
+    r = hvd.rank()
+    if r != 0:
+        return None, hvd.join()
+    outs = [hvd.allreduce(torch.full((3,), 2.0, device=d), op=hvd.Sum, name=f"api.join.{d.index}").cpu().tolist()
+            for d in (hvd.device(), _second_gpu())]
+    return outs, hvd.join()
+
+
+def test_joined_ranks_stand_in_beside_a_model_split(gpus):
+    rows = gpus.run(_join_beside_a_model_split)
+    assert rows[0][0] == [[2.0] * 3, [2.0] * 3], rows
+    assert all(last == 0 for _, last in rows), rows
+
+
 def _grouped_over_two_gpus():
     ts = [torch.ones(2, device=hvd.device()), torch.ones(2, device=_second_gpu())]
     try:
