@@ -17,6 +17,8 @@ class GpuSupport {
   // Framework thread: an event recorded now on `stream`, which the collective
   // waits on, so it reads the input only after its producer wrote it.
   virtual Status RecordReadyEvent(int device, void* stream, std::shared_ptr<void>* event) = 0;
+  // The GPUs this process sees.
+  virtual int device_count() const = 0;
   // Background thread: the context of `device`, creating its NCCL communicator.
   // Every rank reaches this for the same response, so the collective init lines up.
   virtual Status CreateContext(int device, ControlPlane& cp, Allocator& alloc,

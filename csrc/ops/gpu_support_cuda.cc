@@ -31,7 +31,7 @@ class DeviceGuard {
 
 class CudaSupport : public GpuSupport {
  public:
-  CudaSupport(const Params& p, const Logger& log) : params_(p), log_(log) {}
+  CudaSupport(const Params& p, const Logger& log, int count) : params_(p), log_(log), count_(count) {}
 
   // After every context: the runtime drops its process sets first.
   ~CudaSupport() override {
@@ -55,6 +55,8 @@ class CudaSupport : public GpuSupport {
     *event = std::move(holder);
     return Status::OK();
   }
+
+  int device_count() const override { return count_; }
 
   Status CreateContext(int device, ControlPlane& cp, Allocator& alloc, std::unique_ptr<DeviceContext>* out) override {
     Device* d = nullptr;
@@ -121,6 +123,7 @@ class CudaSupport : public GpuSupport {
 
   Params params_;
   const Logger& log_;
+  const int count_;
   std::mutex pool_mu_;
   std::unordered_map<int, std::vector<cudaEvent_t>> free_events_;
   std::unordered_map<int, Device> devices_;
@@ -135,7 +138,7 @@ std::unique_ptr<GpuSupport> MakeGpuSupport(const Params& params, const Logger& l
     cudaGetLastError();
     return nullptr;
   }
-  return std::unique_ptr<GpuSupport>(new CudaSupport(params, log));
+  return std::unique_ptr<GpuSupport>(new CudaSupport(params, log, n));
 }
 
 }  // namespace hvdz

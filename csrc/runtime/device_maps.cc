@@ -1,5 +1,6 @@
 #include "runtime/device_maps.h"
 
+#include <algorithm>
 #include <cstddef>
 
 namespace hvdz {
@@ -16,6 +17,20 @@ int FindDeviceMap(const std::vector<std::vector<int32_t>>& maps, const std::vect
     for (size_t r = 0; agrees && r < devices.size(); ++r) agrees = devices[r] < 0 || devices[r] == maps[i][r];
     if (agrees) return static_cast<int>(i);
   }
+  return -1;
+}
+
+int StandInDevice(const std::vector<int32_t>& devices, const std::vector<int>& preferred, bool one_host,
+                  int device_count) {
+  // Two ranks of one NCCL communicator on one GPU is an error (NCCL: duplicate GPU).
+  auto free = [&](int d) {
+    return d >= 0 && d < device_count && (!one_host || std::find(devices.begin(), devices.end(), d) == devices.end());
+  };
+  for (int d : preferred)
+    if (free(d)) return d;
+  if (!one_host) return -1;
+  for (int d = 0; d < device_count; ++d)
+    if (free(d)) return d;
   return -1;
 }
 

@@ -11,7 +11,10 @@
 // so every rank holds the same ones and makes a new one (a collective) at the same
 // point. A rank that joined and did not submit a tensor has device -1 in the
 // response: the tensor runs on the first map that agrees with every known device,
-// or, with none, on a new map where the joined rank stands in on its join device.
+// or, with none, on a new map where the joined rank stands in on a device of its own
+// (StandInDevice). Before a new map's communicator is made, the ranks agree that each
+// can make it, so that a rank that cannot fails with the others rather than leaving
+// them in the NCCL id's broadcast.
 // Fusion groups only responses with equal devices (fusion/fusion_plan.cc). Maps
 // share a device's collective stream, as process sets do (runtime/process_set.h),
 // so their kernels run in response order on every rank.
@@ -25,6 +28,14 @@ namespace hvdz {
 // The index in `maps` (in the order they were made) of the map that `devices` runs
 // on, or -1 when it needs a new one.
 int FindDeviceMap(const std::vector<std::vector<int32_t>>& maps, const std::vector<int32_t>& devices);
+
+// The device a joined rank stands in on for a new map: the first of `preferred` (its
+// own devices, the likeliest first), else of the host's `device_count`, that no rank of
+// `devices` uses. Only when every rank is on this host (`one_host`): elsewhere a rank's
+// index names another machine's GPU, and the first of `preferred` is taken, as Horovod
+// takes the join device. -1 when there is none.
+int StandInDevice(const std::vector<int32_t>& devices, const std::vector<int>& preferred, bool one_host,
+                  int device_count);
 
 // `devices` as the ranks `members` (indices into it) see it.
 std::vector<int32_t> ProjectDevices(const std::vector<int32_t>& devices, const std::vector<int>& members);

@@ -26,7 +26,7 @@ ProcessSet::ProcessSet(int32_t id, std::vector<int> world_ranks, int world_rank,
 }
 
 // The contexts go first: they drain CUDA work that may still use the communicators.
-ProcessSet::~ProcessSet() { cuda_.clear(); }
+ProcessSet::~ProcessSet() { DropCuda(); }
 
 int ProcessSet::SetRankOf(int world_rank) const {
   auto it = std::lower_bound(world_ranks_.begin(), world_ranks_.end(), world_rank);
@@ -34,13 +34,12 @@ int ProcessSet::SetRankOf(int world_rank) const {
 }
 
 ProcessSet::CudaMap* ProcessSet::FindCuda(const std::vector<int32_t>& devices) {
-  std::vector<std::vector<int32_t>> maps;
-  for (const auto& m : cuda_) maps.push_back(m.devices);
-  const int i = FindDeviceMap(maps, devices);
+  const int i = FindDeviceMap(maps_, devices);
   return i < 0 ? nullptr : &cuda_[i];
 }
 
 void ProcessSet::AddCuda(std::vector<int32_t> devices, int device, std::unique_ptr<DeviceContext> ctx) {
+  maps_.push_back(devices);
   cuda_.push_back({std::move(devices), device, std::move(ctx)});
 }
 

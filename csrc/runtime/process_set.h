@@ -105,7 +105,10 @@ class ProcessSet {
   void AddCuda(std::vector<int32_t> devices, int device, std::unique_ptr<DeviceContext> ctx);
   const std::vector<CudaMap>& cuda_maps() const { return cuda_; }
   // Drains and drops the CUDA contexts (in-flight work finishes first).
-  void DropCuda() { cuda_.clear(); }
+  void DropCuda() {
+    cuda_.clear();
+    maps_.clear();
+  }
   // After a peer failed: in-flight CUDA work is ended, not waited for (DropCuda then returns at once).
   void AbortCuda() {
     for (auto& m : cuda_) m.ctx->Abort();
@@ -121,6 +124,7 @@ class ProcessSet {
   std::unique_ptr<Executor> executor_;
   std::unique_ptr<CpuContext> cpu_ctx_;
   std::vector<CudaMap> cuda_;  // in the order they were made, the same on every rank
+  std::vector<std::vector<int32_t>> maps_;  // cuda_'s device lists, for FindDeviceMap
 };
 
 }  // namespace hvdz

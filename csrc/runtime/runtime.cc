@@ -5,6 +5,7 @@
 
 #include "common/thread_timing.h"
 #include "fusion/fusion_plan.h"
+#include "runtime/device_maps.h"
 
 namespace hvdz {
 
@@ -135,27 +136,33 @@ Status Runtime::Enqueue(std::vector<TensorEntry> entries, void* cuda_stream, std
   return Status::OK();
 }
 
-Status Runtime::ContextFor(ProcessSet& ps, const Response& r, bool joined, int* device, DeviceContext** ctx) {
+Status Runtime::ContextFor(ProcessSet& ps, const Response& r, int* device, DeviceContext** ctx) {
   *device = kCpuDevice;
   if (!r.on_cuda) {
     *ctx = &ps.cpu();
     return Status::OK();
   }
-  if (!gpu_) {
-    return Status::Error("Rank " + std::to_string(world_.rank) + " cannot run the CUDA " + OpTypeName(r.op) +
-                         " of '" + r.name + "'" + ps.scope().Where() + ": this process has no CUDA support.");
-  }
-  if (auto* m = ps.FindCuda(r.devices)) {
-    *device = m->device;
-    *ctx = m->ctx.get();
-    return Status::OK();
+  if (gpu_) {
+    if (auto* m = ps.FindCuda(r.devices)) {
+      *device = m->device;
+      *ctx = m->ctx.get();
+      return Status::OK();
+    }
   }
   // A new device map, which all the set's ranks reach at the same point.
-  const int mine = ps.rank() < static_cast<int>(r.devices.size()) ? r.devices[ps.rank()] : -1;
-  *device = mine >= 0 ? mine : join_device_ >= 0 ? join_device_.load() : cuda_device_.load();
-  if (*device < 0) {
-    return Status::Error("Rank " + std::to_string(world_.rank) + " joined without a CUDA device for its zeros in "
-                         "the allreduce of '" + r.name + "': pass hvd.join(device=...).");
+  Status can = NewMapDevice(ps, r, device);
+  // Every rank says whether it can take part, so that none waits in the NCCL id's
+  // broadcast for one that cannot: they all fail together instead.
+  std::vector<uint8_t> all;
+  HVDZ_RETURN_IF_ERROR(ps.control().Allgather({static_cast<uint8_t>(can.ok())}, &all));
+  if (!can.ok()) return can;
+  std::vector<int> cannot;
+  for (size_t q = 0; q < all.size(); ++q)
+    if (all[q] == 0) cannot.push_back(ps.scope().World(static_cast<int>(q)));
+  if (!cannot.empty()) {
+    return Status::PreconditionError("The CUDA " + std::string(OpTypeName(r.op)) + " of '" + r.name + "'" +
+                                     ps.scope().Where() + " cannot run: ranks " + RankList(cannot) + " cannot take "
+                                     "part on a GPU (their own error says why).");
   }
   std::unique_ptr<DeviceContext> c;
   HVDZ_RETURN_IF_ERROR(gpu_->CreateContext(*device, ps.control(), *alloc_, &c));
@@ -163,6 +170,30 @@ Status Runtime::ContextFor(ProcessSet& ps, const Response& r, bool joined, int* 
                             << " created, for devices " << ShapeString(std::vector<int64_t>(r.devices.begin(), r.devices.end()));
   *ctx = c.get();
   ps.AddCuda(r.devices, *device, std::move(c));
+  return Status::OK();
+}
+
+Status Runtime::NewMapDevice(ProcessSet& ps, const Response& r, int* device) const {
+  if (!gpu_) {
+    return Status::Error("Rank " + std::to_string(world_.rank) + " cannot run the CUDA " + OpTypeName(r.op) +
+                         " of '" + r.name + "'" + ps.scope().Where() + ": this process has no CUDA support.");
+  }
+  const int mine = ps.rank() < static_cast<int>(r.devices.size()) ? r.devices[ps.rank()] : -1;
+  if (mine >= 0) {
+    *device = mine;
+    return Status::OK();
+  }
+  // This rank joined and did not submit the tensor: it stands in on a GPU of its own.
+  std::vector<int> preferred{join_device_.load()};
+  for (const auto& m : ps.cuda_maps()) preferred.push_back(m.device);
+  preferred.push_back(cuda_device_.load());
+  preferred.push_back(world_.local_rank % std::max(1, gpu_->device_count()));  // hvd.device()
+  *device = StandInDevice(r.devices, preferred, world_.local_size == world_.size, gpu_->device_count());
+  if (*device < 0) {
+    return Status::Error("Rank " + std::to_string(world_.rank) + " joined and has no GPU to add its zeros to the "
+                         "allreduce of '" + r.name + "'" + ps.scope().Where() + " that the other ranks do not use: "
+                         "pass hvd.join(device=...).");
+  }
   return Status::OK();
 }
 
@@ -183,10 +214,10 @@ void Runtime::LogGroup(const ProcessSet& ps, const std::vector<const Response*>&
 
 void Runtime::ExecuteGroup(ProcessSet& ps, const std::vector<const Response*>& group, bool joined,
                            Clock::time_point negotiated) {
-  // Every rank resolves the group's devices, so that a pairing error fails it everywhere.
+  // Every rank resolves the group's device map, a joined one too: a new map is collective.
   int device = kCpuDevice;
   DeviceContext* ctx = nullptr;
-  const Status ctx_status = ContextFor(ps, *group.front(), joined, &device, &ctx);
+  const Status ctx_status = ContextFor(ps, *group.front(), &device, &ctx);
   std::vector<TensorEntry> entries;
   std::vector<const Response*> mine;
   auto now = Clock::now();

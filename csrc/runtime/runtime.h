@@ -130,9 +130,11 @@ class Runtime {
   // `peers_pending`: some rank waits on another process set's work.
   Clock::duration NextWait(bool busy, bool peers_pending, Clock::duration* idle_period);
   void LogGroup(const ProcessSet& ps, const std::vector<const Response*>& group) const;
-  // The context that runs `r` on this rank (see [Note: model parallelism]); `joined`:
-  // this rank stands in for tensors it did not submit.
-  Status ContextFor(ProcessSet& ps, const Response& r, bool joined, int* device, DeviceContext** ctx);
+  // The context that runs `r` on this rank, made with the set's other ranks for a new
+  // device map (see [Note: model parallelism] in runtime/device_maps.h).
+  Status ContextFor(ProcessSet& ps, const Response& r, int* device, DeviceContext** ctx);
+  // This rank's device in a new map: its own in `r`, else (joined) one to stand in on.
+  Status NewMapDevice(ProcessSet& ps, const Response& r, int* device) const;
   // One Enqueue's entries: CUDA support for CUDA tensors, and one device for them all.
   Status CheckDevices(const std::vector<TensorEntry>& entries);
   // runtime_autotune.cc, see [Note: autotuning]: rank 0's announcement put in force
@@ -158,8 +160,8 @@ class Runtime {
   mutable std::shared_mutex sets_mu_;
   std::mutex changes_mu_;
   std::unordered_map<std::string, SetChange> changes_;  // by carrier name, until applied
-  std::atomic<int> cuda_device_{-2};  // the first CUDA device this process used: join()'s default; -2: none yet
-  std::atomic<int> join_device_{kCpuDevice};  // join()'s device for CUDA zeros
+  std::atomic<int> cuda_device_{-2};  // the first CUDA device this process used; -2: none yet
+  std::atomic<int> join_device_{kCpuDevice};  // hvd.join(device=...) for CUDA zeros; -1: none given
   std::atomic<bool> shutdown_requested_{false};
   // The loop stopped on a communication failure (a peer died or timed out): Shutdown() aborts CUDA work.
   std::atomic<bool> failed_{false};

@@ -27,7 +27,12 @@ Status Runtime::EnqueueJoin(int cuda_device, const TensorDesc& last_joined, std:
                             int64_t* handle) {
   if (last_joined.dtype != DataType::kInt32 || last_joined.numel() != 1 || last_joined.device != kCpuDevice)
     return Status::InvalidArgument("join() reports the last rank in a host int32 scalar.");
-  if (cuda_device >= 0) join_device_ = cuda_device;
+  if (cuda_device >= 0 && (!gpu_ || cuda_device >= gpu_->device_count())) {
+    return Status::InvalidArgument("join(device=" + std::to_string(cuda_device) + "): this process sees " +
+                                   std::to_string(gpu_ ? gpu_->device_count() : 0) + " CUDA device(s). Pass one "
+                                   "of them, or -1 to let horovod_zero choose.");
+  }
+  join_device_ = cuda_device >= 0 ? cuda_device : -1;
   TensorEntry e;
   e.request.name = kJoinName;
   e.request.op = OpType::kJoin;

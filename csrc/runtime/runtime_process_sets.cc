@@ -147,7 +147,16 @@ void Runtime::Activate(std::unique_ptr<ProcessSet> ps) {
 // cannot split, the set creates its own on its first CUDA op (ContextFor).
 void Runtime::SplitCudaContexts(ProcessSet& set) {
   if (!gpu_) return;
+  // The global maps as the set's ranks see them, each split once: every rank computes
+  // the same list, so every rank takes part in the same splits.
+  std::vector<std::vector<int32_t>> split;
   for (const auto& m : global().cuda_maps()) {
+    auto devices = ProjectDevices(m.devices, set.world_ranks());
+    if (std::find(devices.begin(), devices.end(), -1) != devices.end() ||
+        std::find(split.begin(), split.end(), devices) != split.end()) {
+      continue;  // made while a member had joined, or another map's pairing: the set makes its own if used
+    }
+    split.push_back(devices);
     std::unique_ptr<DeviceContext> ctx;
     Status s = gpu_->SplitContext(*m.ctx, set.rank(), *alloc_, &ctx);
     if (!s.ok()) {
@@ -155,10 +164,7 @@ void Runtime::SplitCudaContexts(ProcessSet& set) {
                                 << "); it creates its own on its first CUDA op";
       continue;
     }
-    // The split pairs the set's devices as the global map does. Two global maps may
-    // look alike to the set: it keeps the first (the split was collective all the same).
-    auto devices = ProjectDevices(m.devices, set.world_ranks());
-    if (ctx && set.FindCuda(devices) == nullptr) {
+    if (ctx) {
       HVDZ_LOG(logger_, kDebug) << "NCCL communicator of " << set.scope().Name() << " on cuda:" << m.device
                                 << " split from the global one";
       set.AddCuda(std::move(devices), m.device, std::move(ctx));

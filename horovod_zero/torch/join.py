@@ -1,7 +1,7 @@
 """hvd.join(): for ranks with different numbers of batches, as in Horovod."""
 
 from horovod_zero.torch import mpi_ops
-from horovod_zero.torch.basics import _runtime, device as _device
+from horovod_zero.torch.basics import _runtime
 
 
 def join(device=-1) -> int:
@@ -17,9 +17,9 @@ def join(device=-1) -> int:
     warned about after HOROVOD_STALL_CHECK_TIME_SECONDS, and join() fails after
     HOROVOD_STALL_SHUTDOWN_TIME_SECONDS when that is set.
 
-    device: the CUDA device for the zeros of CUDA allreduces; -1 (the default)
-    takes hvd.device() when CUDA is in use."""
+    device: the CUDA device for the zeros of CUDA allreduces. -1 (the default): a
+    GPU this rank already reduces on with the same ranks, else one of its own that
+    the others on this host do not use there (hvd.device() for one GPU per rank)."""
     if device is None or device < 0:
-        d = _device()
-        device = d.index if d.type == "cuda" else -1
+        device = -1
     return int(mpi_ops.synchronize(_runtime().join(int(device))).item())

@@ -30,6 +30,19 @@ TEST(DeviceMaps, AJoinedRankStandsInOnAMapTheOthersUse) {
   EXPECT_EQ(FindDeviceMap(maps, {4, 5}), -1);
 }
 
+TEST(DeviceMaps, AJoinedRankStandsInOnAGpuNoOtherRankOfTheMapUses) {
+  // One host, 2 GPUs, each rank on both, swapped: rank 1's first choice (its join
+  // device, cuda:1) is rank 0's GPU in this map, so it takes the next of its own.
+  EXPECT_EQ(StandInDevice({1, -1}, {1, 1, 0}, true, 2), 0);
+  // Nothing preferred is free: any GPU of the host that the map does not use.
+  EXPECT_EQ(StandInDevice({1, -1}, {1}, true, 2), 0);
+  EXPECT_EQ(StandInDevice({0, 1, -1}, {-1, 0}, true, 2), -1);
+  // Ranks on other hosts may use the same index: the first preferred one is taken.
+  EXPECT_EQ(StandInDevice({1, -1}, {-1, 1, 0}, false, 2), 1);
+  // Devices this process cannot see are never taken.
+  EXPECT_EQ(StandInDevice({0, -1}, {7, 1}, true, 2), 1);
+}
+
 TEST(DeviceMaps, ASubsetSeesItsMembersDevices) {
   EXPECT_EQ(ProjectDevices({0, 2, 4}, {0, 2}), (std::vector<int32_t>{0, 4}));
   EXPECT_EQ(ProjectDevices({0, 2}, {1, 5}), (std::vector<int32_t>{2, -1}));

@@ -8,7 +8,7 @@ import torch
 
 import horovod_zero.torch as hvd
 import sync_bn_check
-from harness import on_gpus, shared_pool
+from harness import RankPool, on_gpus, shared_pool
 
 pytestmark = pytest.mark.gpu
 
@@ -104,7 +104,7 @@ def test_a_model_split_over_two_gpus_of_each_process_trains_as_one(gpus, groups)
 
 def _join_beside_a_model_split():
     """Rank 0 allreduces on both its GPUs while the others have joined: they stand in with
-    zeros on a device map of their own or one already made (runtime/device_maps.h)."""
+    zeros on GPUs of their own that rank 0 does not use there (runtime/device_maps.h)."""
     r = hvd.rank()
     if r != 0:
         return None, hvd.join()
@@ -113,8 +113,14 @@ def _join_beside_a_model_split():
     return outs, hvd.join()
 
 
-def test_joined_ranks_stand_in_beside_a_model_split(gpus):
-    rows = gpus.run(_join_beside_a_model_split)
+@pytest.mark.parametrize("size", on_gpus(2))
+def test_joined_ranks_stand_in_beside_a_model_split(size):
+    # Fresh ranks, so that no device map of an earlier test serves the joined rank.
+    pool = RankPool(size)
+    try:
+        rows = pool.run(_join_beside_a_model_split)
+    finally:
+        pool.close()
     assert rows[0][0] == [[2.0] * 3, [2.0] * 3], rows
     assert all(last == 0 for _, last in rows), rows
 
