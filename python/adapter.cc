@@ -530,6 +530,10 @@ class PyRuntime {
   void LetGo(int64_t h, int device, bool running) {
     auto kept = std::static_pointer_cast<Kept>(rt_->handles().Keepalive(h));
     if (!kept) return;
+    // Memory of another GPU than the waiting stream's cannot be recorded on that stream:
+    // it stays held until synchronize().
+    for (const at::Tensor* t : {&kept->input, &kept->output})
+      if (t->defined() && t->is_cuda() && t->device().index() != device) return;
     void* waiting = device >= 0 ? CurrentCudaStream(device) : nullptr;
     if (running && waiting != kept->stream)
       for (const at::Tensor* t : {&kept->input, &kept->output})
