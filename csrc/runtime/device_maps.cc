@@ -5,16 +5,15 @@
 
 namespace hvdz {
 
-int FindDeviceMap(const std::vector<std::vector<int32_t>>& maps, const std::vector<int32_t>& devices) {
+int FindDeviceMap(const std::vector<DeviceMap>& maps, const std::vector<int32_t>& devices) {
   for (size_t i = 0; i < maps.size(); ++i)
-    if (maps[i] == devices) return static_cast<int>(i);
-  bool joined = false;
-  for (auto d : devices) joined = joined || d < 0;
-  if (!joined) return -1;
+    if (maps[i].devices == devices) return static_cast<int>(i);
+  if (std::find(devices.begin(), devices.end(), -1) == devices.end()) return -1;
   // A joined rank stands in on a map the others already use rather than a new one.
   for (size_t i = 0; i < maps.size(); ++i) {
-    bool agrees = maps[i].size() == devices.size();
-    for (size_t r = 0; agrees && r < devices.size(); ++r) agrees = devices[r] < 0 || devices[r] == maps[i][r];
+    const auto& m = maps[i].devices;
+    bool agrees = m.size() == devices.size();
+    for (size_t r = 0; agrees && r < devices.size(); ++r) agrees = devices[r] < 0 || devices[r] == m[r];
     if (agrees) return static_cast<int>(i);
   }
   return -1;

@@ -21,13 +21,24 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
+
+#include "ops/device_context.h"
 
 namespace hvdz {
 
+// One CUDA communicator of a set: every rank's device (the devices of the response
+// that made it), this rank's, and its context.
+struct DeviceMap {
+  std::vector<int32_t> devices;
+  int device;
+  std::unique_ptr<DeviceContext> ctx;
+};
+
 // The index in `maps` (in the order they were made) of the map that `devices` runs
 // on, or -1 when it needs a new one.
-int FindDeviceMap(const std::vector<std::vector<int32_t>>& maps, const std::vector<int32_t>& devices);
+int FindDeviceMap(const std::vector<DeviceMap>& maps, const std::vector<int32_t>& devices);
 
 // The device a joined rank stands in on for a new map: the first of `preferred` (its
 // own devices, the likeliest first), else of the host's `device_count`, that no rank of

@@ -2,8 +2,6 @@
 
 #include <algorithm>
 
-#include "runtime/device_maps.h"
-
 namespace hvdz {
 
 ProcessSet::ProcessSet(int32_t id, std::vector<int> world_ranks, int world_rank, const Params& params,
@@ -33,13 +31,12 @@ int ProcessSet::SetRankOf(int world_rank) const {
   return it != world_ranks_.end() && *it == world_rank ? static_cast<int>(it - world_ranks_.begin()) : -1;
 }
 
-ProcessSet::CudaMap* ProcessSet::FindCuda(const std::vector<int32_t>& devices) {
-  const int i = FindDeviceMap(maps_, devices);
+DeviceMap* ProcessSet::FindCuda(const std::vector<int32_t>& devices) {
+  const int i = FindDeviceMap(cuda_, devices);
   return i < 0 ? nullptr : &cuda_[i];
 }
 
 void ProcessSet::AddCuda(std::vector<int32_t> devices, int device, std::unique_ptr<DeviceContext> ctx) {
-  maps_.push_back(devices);
   cuda_.push_back({std::move(devices), device, std::move(ctx)});
 }
 

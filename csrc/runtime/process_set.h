@@ -63,6 +63,7 @@
 #include "ops/counters.h"
 #include "ops/device_context.h"
 #include "ops/executor.h"
+#include "runtime/device_maps.h"
 #include "transport/communicator.h"
 #include "transport/control_plane.h"
 
@@ -93,22 +94,13 @@ class ProcessSet {
   Controller& controller() { return *controller_; }
   Executor& executor() { return *executor_; }
   CpuContext& cpu() { return *cpu_ctx_; }
-  // A CUDA communicator and its context, for one device map (see [Note: model
-  // parallelism] in runtime/device_maps.h): every rank's device, and this rank's.
-  struct CudaMap {
-    std::vector<int32_t> devices;
-    int device;
-    std::unique_ptr<DeviceContext> ctx;
-  };
-  // The map that `devices` (a response's) runs on, or nullptr when it needs a new one.
-  CudaMap* FindCuda(const std::vector<int32_t>& devices);
+  // The CUDA communicator that `devices` (a response's) runs on, or nullptr when it
+  // needs a new one (see [Note: model parallelism] in runtime/device_maps.h).
+  DeviceMap* FindCuda(const std::vector<int32_t>& devices);
   void AddCuda(std::vector<int32_t> devices, int device, std::unique_ptr<DeviceContext> ctx);
-  const std::vector<CudaMap>& cuda_maps() const { return cuda_; }
+  const std::vector<DeviceMap>& cuda_maps() const { return cuda_; }
   // Drains and drops the CUDA contexts (in-flight work finishes first).
-  void DropCuda() {
-    cuda_.clear();
-    maps_.clear();
-  }
+  void DropCuda() { cuda_.clear(); }
   // After a peer failed: in-flight CUDA work is ended, not waited for (DropCuda then returns at once).
   void AbortCuda() {
     for (auto& m : cuda_) m.ctx->Abort();
@@ -123,8 +115,7 @@ class ProcessSet {
   std::unique_ptr<Controller> controller_;
   std::unique_ptr<Executor> executor_;
   std::unique_ptr<CpuContext> cpu_ctx_;
-  std::vector<CudaMap> cuda_;  // in the order they were made, the same on every rank
-  std::vector<std::vector<int32_t>> maps_;  // cuda_'s device lists, for FindDeviceMap
+  std::vector<DeviceMap> cuda_;  // in the order they were made, the same on every rank
 };
 
 }  // namespace hvdz

@@ -142,12 +142,10 @@ Status Runtime::ContextFor(ProcessSet& ps, const Response& r, int* device, Devic
     *ctx = &ps.cpu();
     return Status::OK();
   }
-  if (gpu_) {
-    if (auto* m = ps.FindCuda(r.devices)) {
-      *device = m->device;
-      *ctx = m->ctx.get();
-      return Status::OK();
-    }
+  if (auto* m = ps.FindCuda(r.devices)) {
+    *device = m->device;
+    *ctx = m->ctx.get();
+    return Status::OK();
   }
   // A new device map, which all the set's ranks reach at the same point.
   Status can = NewMapDevice(ps, r, device);
