@@ -14,6 +14,7 @@ max_memory_allocated over ranks. Gradients are reduced in bf16 by every system u
     torchrun --nproc_per_node=4 examples/bench_zero.py --sim-nodes 2 --modes zero3,zero3+hybrid,fsdp2+reshard,fsdp2+hsdp
 
 A mode may carry environment settings for its optimizer: zero3@HOROVOD_ZERO_PREFETCH=2.
+zero2+ostep and zero3+ostep pass overlap_step=True: each shard is stepped during backward.
 With HOROVOD_AUTOTUNE=1 the first horovod_zero mode first trains, untimed, until the
 autotuner has kept its best setting (at most --tune-max-steps steps), and its line says
 what was kept; that mode and the later ones are timed with it.
@@ -259,12 +260,13 @@ def _bench_mode(mode, cfg, micro, steps, dev, profile_dir, profile_modes, phases
         opt = fsdp2(model, mode != "fsdp2", reduce_dtype, adam, hsdp=mode == "fsdp2+hsdp")
     elif mode == "deepspeed3":
         net = opt = deepspeed3(model, micro, reduce_dtype, adam)  # the engine steps and zeroes
-    else:  # zero1, zero2, zero2+overlap (the allgather overlapped with the next forward), zero3, +hybrid
-        stage = int(mode.split("+")[0][-1])
+    else:  # zero1, zero2, zero2+overlap (the allgather overlapped with the next forward), zero3, +hybrid,
+        # +ostep (overlap_step: each shard stepped during backward)
+        stage, flags = int(mode.split("+")[0][-1]), set(mode.split("+")[1:])
         opt = hvd.DistributedZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, **adam),
                                            model=model, stage=stage, param_dtype=torch.bfloat16,
-                                           overlap_param_gather=mode.endswith("+overlap"),
-                                           shard_group="node" if mode.endswith("+hybrid") else None,
+                                           overlap_param_gather="overlap" in flags, overlap_step="ostep" in flags,
+                                           shard_group="node" if "hybrid" in flags else None,
                                            # FSDP2's root is wrapped with reshard_after_forward=True here too
                                            reshard_root_after_forward=stage == 3)
 
@@ -387,6 +389,8 @@ def result_row(args, cfg, mode, settings, metrics):
                     reduce_dtype=args.reduce_dtype, adam=args.adam, **settings)
     if "+overlap" in base:
         settings["overlap_param_gather"] = True
+    if "+ostep" in base:
+        settings["overlap_step"] = True
     if "+hybrid" in base:
         settings.update(shard_group="node", sim_nodes=args.sim_nodes)
     if "@" in mode:

@@ -237,6 +237,19 @@ class PyRuntime {
     if (let_go) LetGo(h, device, event != nullptr);
   }
 
+  // WaitStream without waiting: orders the current stream after the op only if it is
+  // queued on the GPU (or done) already, and says whether it did. ZeRO's overlap_step
+  // asks at each gradient bucket, so that backward never waits for the runtime.
+  bool TryWaitStream(int64_t h, int device) {
+    std::shared_ptr<void> event;
+    bool ready = false;
+    Status s = rt_->handles().WaitLaunchedUntil(h, std::chrono::steady_clock::now(), &ready, &event);
+    if (!ready) return false;
+    Check(s);
+    if (event) CurrentStreamWaitEvent(device, event.get());
+    return true;
+  }
+
   // Many handles for few releases of the GIL. Every handle is waited for and
   // released before the first failure (in order) is raised, so none is left behind;
   // an interrupt (Ctrl-C) releases none of them.
@@ -633,6 +646,7 @@ PYBIND11_MODULE(_core, m) {
       .def("join", &PyRuntime::Join, py::arg("device"))
       .def("wait", &PyRuntime::Wait)
       .def("wait_stream", &PyRuntime::WaitStream, py::arg("handle"), py::arg("device"), py::arg("let_go") = false)
+      .def("try_wait_stream", &PyRuntime::TryWaitStream, py::arg("handle"), py::arg("device"))
       .def("wait_all", &PyRuntime::WaitAll)
       .def("poll", &PyRuntime::Poll)
       .def("shutdown", &PyRuntime::Shutdown)

@@ -109,6 +109,15 @@ def _wait_stream(handle, device, let_go=False):
     _runtime().wait_stream(handle, index, let_go)
 
 
+def _try_wait_stream(handle, device):
+    """_wait_stream() without waiting: True (and the current stream ordered after the op)
+    if the op is queued on the GPU or done already; False, with nothing changed, if not."""
+    index = -1
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+    return _runtime().try_wait_stream(handle, index)
+
+
 def poll(handle) -> bool:
     """True when the op behind the handle (every op, for a nested list) has finished."""
     rt = _runtime()

@@ -30,11 +30,12 @@ def test_offload_on_cuda_matches_the_reference(gpus, stage, offload_params):
             assert step.startswith("C++ AdamW"), step
 
 
+@pytest.mark.parametrize("offload", ["cpu", None], ids=["host", "device"])
 @pytest.mark.parametrize("stage", [2, 3])
-def test_overlap_step_on_cuda_matches_the_reference(gpus, stage):
-    for err, refused in gpus.run(cpu._overlap, stage, "cuda"):
+def test_overlap_step_on_cuda_matches_the_reference(gpus, stage, offload):
+    for err, refused in gpus.run(cpu._overlap, stage, "cuda", offload):
         assert err < 1e-5, err
-        assert len(refused) == 2, refused
+        assert len(refused) == 3, refused
 
 
 @pytest.mark.parametrize("model_name,stage,offload_params", [("mlp", 2, None), ("tied", 2, None), ("mlp", 3, None),

@@ -8,13 +8,14 @@ the next unit's gather with this unit's compute, from the kernels' GPU timestamp
 import json
 import os
 import tempfile
+import time
 
 import pytest
 import torch
 
 import horovod_zero.torch as hvd
 import test_zero_stage3 as s3  # the CPU tests' model, data and reference
-from harness import on_gpus, shared_pool
+from harness import on_gpus, scoped_env, shared_pool
 
 pytestmark = pytest.mark.gpu
 
@@ -134,16 +135,22 @@ def test_prefetch_overlaps_the_next_units_gather_with_this_units_compute():
         assert frac_off < frac_on / 2, (frac_on, frac_off)
 
 
-def _step_waits_for_the_gpu(stage, clip):
+def _step_waits_for_the_gpu(stage, clip, overlap=False):
     """Whether backward, clip_grad_norm_(), step() and zero_grad() returned only after the GPU finished what
     was queued before them: a ~0.5 s sleep kernel queued before backward. The step's values
     are checked against the reference by the parity tests; this checks that the CPU queues
     the step behind the GPU's work instead of waiting for the reductions to run (the GPU
-    would idle while the CPU then queues the step)."""
+    would idle while the CPU then queues the step). overlap: overlap_step=True, one bucket per
+    parameter, and a host that takes 20 ms per block in backward, so that each reduction is
+    queued on the GPU before the next bucket's: returns how many shards were stepped then."""
     dev = hvd.device()
     model = _Blocks().to(dev)
-    opt = hvd.DistributedZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True), model=model,
-                                       stage=stage, param_dtype=torch.bfloat16)
+    if overlap:
+        for block in model.blocks:
+            block.register_full_backward_hook(lambda *_: time.sleep(0.02))
+    with scoped_env(**({"HOROVOD_ZERO_BUCKET_BYTES": "1"} if overlap else {})):
+        opt = hvd.DistributedZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True), model=model,
+                                           stage=stage, param_dtype=torch.bfloat16, overlap_step=overlap)
     x = torch.randn(ROWS, WIDTH, device=dev, dtype=torch.bfloat16)
     waited = []
     for _ in range(3):
@@ -157,13 +164,17 @@ def _step_waits_for_the_gpu(stage, clip):
         waited.append(torch.cuda.current_stream(dev).query())
         torch.cuda.synchronize(dev)
     finite = all(torch.isfinite(p.float()).all().item() for p in opt.optimizer.param_groups[0]["params"])
+    early = opt.offload_stats().get("stepped_early", 0)
     del opt, model
-    return waited, finite
+    return waited, finite, early
 
 
 @pytest.mark.gpus(2)
-@pytest.mark.parametrize("stage,clip", [(2, False), (3, False), (3, True)])
-def test_the_step_queues_behind_backward_without_waiting_for_the_gpu(stage, clip):
-    for waited, finite in shared_pool(2).run(_step_waits_for_the_gpu, stage, clip):
+@pytest.mark.parametrize("stage,clip,overlap", [(2, False, False), (3, False, False), (3, True, False),
+                                                (2, False, True), (3, False, True)])
+def test_the_step_queues_behind_backward_without_waiting_for_the_gpu(stage, clip, overlap):
+    for waited, finite, early in shared_pool(2).run(_step_waits_for_the_gpu, stage, clip, overlap):
         assert waited == [False] * 3, waited
         assert finite
+        # overlap_step: shards were stepped (on the GPU's queue) while backward was still running
+        assert (early > 0) == overlap, early

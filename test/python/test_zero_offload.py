@@ -161,9 +161,10 @@ def test_nvme_step_reads_and_writes_the_state_once_and_never_the_gradients(ranks
         assert files == ["exp_avg.swp", "exp_avg_sq.swp", "master.swp"], files  # no gradient file
 
 
-def _overlap(stage, device="cpu"):
+def _overlap(stage, device="cpu", offload="cpu"):
+    """offload=None: overlap_step on the device (core/early_step.py)."""
     model = mlp(device=_on(device))
-    opt = _wrap(model, "adamw", stage, offload_optimizer="cpu", overlap_step=True)
+    opt = _wrap(model, "adamw", stage, offload_optimizer=offload, overlap_step=True)
     _train(model, opt, 1, None)
     errs = [rel_err(p, q) for p, q in zip(_weights(model, opt), _reference("adamw", 1, None))]
     # What overlap_step refuses: clipping after the step ran, a second reduction in one step.
@@ -173,6 +174,10 @@ def _overlap(stage, device="cpu"):
     refused = []
     try:
         opt.clip_grad_norm_(1.0)
+    except RuntimeError as e:
+        refused.append(str(e))
+    try:
+        opt.state_dict()
     except RuntimeError as e:
         refused.append(str(e))
     try:
@@ -188,13 +193,15 @@ def _overlap(stage, device="cpu"):
     return max(errs), refused
 
 
+@pytest.mark.parametrize("offload", ["cpu", None], ids=["host", "device"])
 @pytest.mark.parametrize("stage", [2, 3])
-def test_overlap_step_matches_reference_and_refuses_what_it_cannot_do(ranks, stage):
-    for err, refused in ranks.run(_overlap, stage):
+def test_overlap_step_matches_reference_and_refuses_what_it_cannot_do(ranks, stage, offload):
+    for err, refused in ranks.run(_overlap, stage, "cpu", offload):
         assert err < 1e-5, err
-        assert len(refused) == 2, refused
+        assert len(refused) == 3, refused
         assert "overlap_step=False to clip" in refused[0]
-        assert "reduced a second time in one step" in refused[1]
+        assert "would mix two steps" in refused[1]
+        assert "reduced a second time in one step" in refused[2]
 
 
 def _halving(opt):
@@ -581,9 +588,9 @@ def test_offload_refuses_a_skipped_step_a_state_read_mid_step_and_a_stale_forwar
         assert "Parameter '2." in out.get("stale", "") and "wait_for_params()" in out["stale"], out
 
 
-def _lr_changed_after_backward():
+def _lr_changed_after_backward(offload):
     model = mlp()
-    opt = _wrap(model, "adamw", 2, offload_optimizer="cpu", overlap_step=True)
+    opt = _wrap(model, "adamw", 2, offload_optimizer=offload, overlap_step=True)
     n, r = hvd.size(), hvd.rank()
     x, y = batch(0, 0)
     mse(model, rank_rows(x, r, n), rank_rows(y, r, n)).backward()
@@ -595,8 +602,9 @@ def _lr_changed_after_backward():
     return None
 
 
-def test_overlap_step_refuses_a_learning_rate_changed_after_backward(ranks):
-    for msg in ranks.run(_lr_changed_after_backward):
+@pytest.mark.parametrize("offload", ["cpu", None], ids=["host", "device"])
+def test_overlap_step_refuses_a_learning_rate_changed_after_backward(ranks, offload):
+    for msg in ranks.run(_lr_changed_after_backward, offload):
         assert msg is not None and "param group(s) [1]" in msg and "scheduler.step() right after" in msg, msg
 
 
@@ -671,7 +679,8 @@ def _bad_offload_args():
         "path_no_nvme": dict(offload_optimizer="cpu", nvme_path="/tmp"),
         "params_stage2": dict(stage=2, offload_optimizer="cpu", offload_params="cpu"),
         "params_alone": dict(stage=3, offload_params="cpu"),
-        "overlap_no_offload": dict(overlap_step=True),
+        "overlap_device_sgd": dict(overlap_step=True, sgd=True),
+        "overlap_device_gather3": dict(stage=3, overlap_step=True, overlap_param_gather=True),
         "overlap_stage1": dict(stage=1, offload_optimizer="cpu", overlap_step=True),
         "overlap_fp16": dict(offload_optimizer="cpu", overlap_step=True, param_dtype=torch.float16),
         "overlap_sgd": dict(offload_optimizer="cpu", overlap_step=True, sgd=True),
@@ -697,7 +706,8 @@ def test_offload_argument_errors_say_what_to_do(ranks):
     for errors in ranks.run(_bad_offload_args):
         expect = {"unknown": "use None, 'cpu'", "nvme_no_path": "needs nvme_path=", "path_no_nvme": "only used with",
                   "params_stage2": "is for stage=3", "params_alone": "needs offload_optimizer",
-                  "overlap_no_offload": "needs offload_optimizer", "overlap_stage1": "needs stage=2 or 3",
+                  "overlap_device_sgd": "Use overlap_step=False",
+                  "overlap_device_gather3": "Leave overlap_param_gather=False", "overlap_stage1": "needs stage=2 or 3",
                   "overlap_fp16": "loss scaling", "overlap_sgd": "Use overlap_step=False",
                   "nvme_sgd": "Use offload_optimizer='cpu' for other optimizers",
                   "nvme_missing": "/nonexistent/hvdz", "nvme_overlap": "is for offload_optimizer='cpu'",

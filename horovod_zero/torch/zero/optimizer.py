@@ -35,6 +35,7 @@ import torch
 from horovod_zero.torch import basics
 from horovod_zero.torch.zero import hybrid
 from horovod_zero.torch.zero.config import ZeroConfig
+from horovod_zero.torch.zero.core.early_step import EarlyStep
 from horovod_zero.torch.zero.core.loss_scale import LossScaler
 from horovod_zero.torch.zero.core.params import WholeParams, wait_for_params
 from horovod_zero.torch.zero.core.reduce import GradReducer
@@ -147,6 +148,8 @@ class DistributedZeroOptimizer:
         if options.offloaded:
             self._step = HostStep(options, self._storage, optimizer, self.config.downcast,
                                   logging.getLogger("horovod_zero").warning)
+        elif options.overlap_step:
+            self._step = EarlyStep(self._storage, optimizer, self.config.downcast, self.config.fused_step)
         else:
             self._step = DeviceStep(self._storage, optimizer, self.config.downcast, self.config.fused_step)
         self._gatherer = self._step.gatherer
@@ -403,7 +406,8 @@ class DistributedZeroOptimizer:
         """Bytes moved by offload since construction: "d2h_bytes" (gradient shards to the
         host), "h2d_bytes" (parameter shards back), "disk_read_bytes" and
         "disk_write_bytes" (NVMe); and "step" (which code steps the host shards).
-        Empty without offload."""
+        With overlap_step on the device: "stepped_early", the shards whose step was
+        queued during backward since construction. Otherwise empty."""
         return self._step.stats()
 
     def __repr__(self):

@@ -99,9 +99,10 @@ def _check_offload(offload_optimizer, nvme_path, offload_params, overlap_step, s
         raise ValueError("offload_params='cpu' needs offload_optimizer='cpu' or 'nvme': the parameter shards "
                          "at rest are the host step's output.")
     if overlap_step:
-        if optimizer is None:
-            raise ValueError("overlap_step=True overlaps the host step with backward: it needs "
-                             "offload_optimizer='cpu' or 'nvme'.")
+        if optimizer is None and stage == 3 and overlap_param_gather:
+            raise ValueError("overlap_param_gather=True at stage 3 is for offload (the host step then ends under "
+                             "the next forward); on the device, overlap_step=True steps during backward and stage 3 "
+                             "always gathers ahead. Leave overlap_param_gather=False.")
         if stage == 1:
             raise ValueError("overlap_step=True needs stage=2 or 3: at stage 1 gradients are reduced at step().")
         if optimizer == "nvme":

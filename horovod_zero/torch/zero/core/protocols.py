@@ -17,6 +17,10 @@ class GradSink(Protocol):
 
     takes_early: bool    # hand a shard over as soon as its one reduction is done, during backward
     one_reduction: bool  # refuse a second reduction of a shard in one step
+    # takes_early on a CUDA stream of its own (overlap_step on the device): a shard is handed over
+    # as soon as its reduction is queued on the GPU, with this stream ordered after it, and the
+    # rest of the step's reductions are ordered on it too (None: handed over once done).
+    early_stream: Optional["torch.cuda.Stream"]
 
     def begin(self) -> None:
         """A gradient of this step is ready (backward has begun)."""

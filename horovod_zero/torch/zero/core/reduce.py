@@ -90,7 +90,36 @@ class GradReducer:
     def flush(self):
         bucket, self._bucket, self._bucket_bytes = self._bucket, [], 0
         self._submit(bucket)
+        if self._sink.early_stream is not None:
+            self._hand_queued()
         self._drain()
+
+    def _stream(self):
+        """The sink's early stream as the current one (overlap_step on the device), else nothing."""
+        stream = self._sink.early_stream
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+    def _hand_queued(self, wait=False):
+        """A sink with an early_stream gets each shard whose one reduction is queued on the
+        GPU, that stream ordered after it: its step runs there beside the rest of backward,
+        and the CPU never waits for the runtime (a reduction not queued yet is handed at a
+        later flush); wait=True (at step()) waits until each is queued. The shards eligible
+        are those _drain() would hand over once done: [Note: stepping inside backward]."""
+        if not self._groups.final_after_reduce_scatter:
+            return
+        device, shards = self._storage.param_device, self._storage.shards
+        with self._stream():
+            for index in self._undrained:
+                handles = self._pending[index]
+                if index in self._sunk or len(handles) != 1 or index in self._done or not self._had_grad.get(index):
+                    continue
+                h, out = handles[0]
+                if wait:
+                    ops._wait_stream(h, device)
+                elif not ops._try_wait_stream(h, device):
+                    continue
+                self._sunk.add(index)
+                self._sink.take_grad(shards[index], [out], early=not wait)
 
     def _drain(self, wait=False):
         """Takes the outputs of the reductions that have finished, in submission order, so
@@ -214,14 +243,24 @@ class GradReducer:
         # First: a reduction this rank waits for below may be one the other ranks submit only
         # in submit_rest() (their zeros for a parameter only this rank had a gradient for).
         self.submit_rest()
-        if self._sink.takes_early:
+        self._sink.set_unscale(unscale)
+        if self._sink.early_stream is not None:
+            self._hand_queued(wait=True)
+        elif self._sink.takes_early:
             # The CPU is usually well ahead of backward on the GPU: the sink gets each shard
             # as its reduction finishes there, so its copy to the host (and with
             # overlap_step its host step) runs beside the rest of backward.
             self._drain(wait=True)
+        with self._stream():  # the rest is ordered, and taken, on the sink's stream too
+            self._take_rest()
+        self._reset()
+        self._reduced = True
+
+    def _take_rest(self):
+        """finish(): orders the GPU after every reduction of this step and hands the sink
+        what it did not take early."""
         trained = self._trained()
         had = self._had_anywhere
-        self._sink.set_unscale(unscale)
         # One output per reduction this step.
         for h, _ in (x for hs in self._pending.values() for x in hs):
             self.order_after(h)
@@ -248,8 +287,6 @@ class GradReducer:
                     self._sink.take_grads(batch)
                     batch, size = [], 0
         self._sink.take_grads(batch)
-        self._reset()
-        self._reduced = True
 
     def order_after(self, handle):
         """Orders the work queued next on the current stream after this op (a reduction of
@@ -257,7 +294,7 @@ class GradReducer:
         the CPU does not wait for it to run: it goes on to queue the step, so the GPU is not
         left idle between the last reduction and the step's kernels."""
         device = self._storage.param_device
-        if device.type != "cuda" or self._sink.takes_early:  # offload: the host reads it next
+        if device.type != "cuda" or (self._sink.takes_early and self._sink.early_stream is None):  # offload: the host reads it
             ops.synchronize(handle)
             return
         ops._wait_stream(handle, device, let_go=True)

@@ -16,6 +16,7 @@ class MasterGrads:
 
     takes_early = False
     one_reduction = False
+    early_stream = None
 
     def __init__(self, storage):
         self._st = storage

@@ -19,6 +19,7 @@ from typing import Iterable, Mapping, Optional, Tuple
 import torch
 
 from horovod_zero import _core, settings
+from horovod_zero.torch.zero.core.hyper import hyper_of, snapshot
 
 _COVERED = (torch.optim.Adam, torch.optim.AdamW)
 _UNCOVERED_FLAGS = ("amsgrad", "capturable", "differentiable")
@@ -75,14 +76,6 @@ def adam_step_flat(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tenso
                         isa or chosen_isa(), int(threads))
 
 
-def hyper_of(group) -> tuple:
-    """The hyperparameters of a param group that the step reads: (lr, beta1, beta2, eps,
-    weight_decay, decoupled, maximize)."""
-    b1, b2 = group["betas"]
-    return (float(group["lr"]), float(b1), float(b2), float(group["eps"]), float(group["weight_decay"]),
-            bool(group.get("decoupled_weight_decay", False)), bool(group.get("maximize", False)))
-
-
 def _step_dtype(group) -> torch.dtype:
     # torch/optim/optimizer.py: _get_scalar_dtype
     if group.get("fused") or torch.get_default_dtype() != torch.float64:
@@ -116,7 +109,7 @@ class CpuAdam:
 
     def snapshot(self) -> dict:
         """Each param group's hyper_of(), by id(group): what step_items(hyper=) takes."""
-        return {id(g): hyper_of(g) for g in self.optimizer.param_groups}
+        return snapshot(self.optimizer.param_groups)
 
     def step_items(self, items: Iterable[Tuple[dict, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]], *,
                    grad_scale: float = 1.0, threads: int = 0, hyper: Optional[dict] = None) -> None:

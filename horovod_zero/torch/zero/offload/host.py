@@ -35,6 +35,7 @@ class HostOffload:
 
     takes_early = True
     one_reduction = False
+    early_stream = None
 
     def __init__(self, storage, stepper, offload_params):
         self._st = storage

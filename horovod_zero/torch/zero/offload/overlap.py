@@ -27,6 +27,7 @@ import threading
 import torch
 
 from horovod_zero import settings
+from horovod_zero.torch.zero.core import hyper
 from horovod_zero.torch.zero.offload.host import HostOffload
 
 
@@ -57,6 +58,7 @@ class OverlapSink:
 
     takes_early = True
     one_reduction = True  # GradReducer refuses a second reduction of a shard in one step
+    early_stream = None
 
     def __init__(self, host: HostOffload, track_forward=False, gather=None):
         self.host = host
@@ -225,16 +227,8 @@ class OverlapSink:
     def check_hyper(self):
         """Refuses a step whose shards were stepped early with other hyperparameters than
         the param groups hold now: the learning rate was changed after backward began."""
-        if self._hyper is None:
-            return
-        now = self.host.stepper.snapshot()
-        groups = [k for k, (g, h) in enumerate(now.items()) if self._hyper.get(g, h) != h]  # new groups: as they are
-        if groups:
-            raise RuntimeError(
-                f"overlap_step=True stepped parameters during backward with the hyperparameters param group(s) "
-                f"{groups} had when backward began, and they changed before step(). Change the learning rate "
-                "(and other hyperparameters) between step() and the next backward, e.g. scheduler.step() right "
-                "after opt.step(); to complete this step, set them back and call step() again.")
+        if self._hyper is not None:
+            hyper.check_unchanged(self._hyper, self.host.stepper.snapshot())
 
     def defer(self, indices):
         """Queues the shards at `indices` that have a gradient and were not stepped early
