@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import horovod_zero.torch as hvd
+from horovod_zero.torch.zero.core import early_step
 import test_zero_stage3 as s3  # the CPU tests' model, data and reference
 from harness import on_gpus, scoped_env, shared_pool
 
@@ -145,9 +146,11 @@ def _step_waits_for_the_gpu(stage, clip, overlap=False):
     queued on the GPU before the next bucket's: returns how many shards were stepped then."""
     dev = hvd.device()
     model = _Blocks().to(dev)
+    batch = early_step._BATCH_NUMEL
     if overlap:
         for block in model.blocks:
             block.register_full_backward_hook(lambda *_: time.sleep(0.02))
+    early_step._BATCH_NUMEL = 1 if overlap else batch  # each shard stepped as it is handed over
     with scoped_env(**({"HOROVOD_ZERO_BUCKET_BYTES": "1"} if overlap else {})):
         opt = hvd.DistributedZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True), model=model,
                                            stage=stage, param_dtype=torch.bfloat16, overlap_step=overlap)
@@ -165,6 +168,7 @@ def _step_waits_for_the_gpu(stage, clip, overlap=False):
         torch.cuda.synchronize(dev)
     finite = all(torch.isfinite(p.float()).all().item() for p in opt.optimizer.param_groups[0]["params"])
     early = opt.offload_stats().get("stepped_early", 0)
+    early_step._BATCH_NUMEL = batch
     del opt, model
     return waited, finite, early
 

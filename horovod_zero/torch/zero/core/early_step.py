@@ -33,6 +33,10 @@ from horovod_zero.torch.zero.core import hyper
 from horovod_zero.torch.zero.core.step import DeviceStep
 
 _STEPPABLE = (torch.optim.Adam, torch.optim.AdamW)
+# Shards handed over during backward are stepped in batches of about this many elements:
+# each call costs the host about half a millisecond, which at micro-batch 1 is the step's
+# critical path (one call per 32 MiB bucket made a 1.2B model's step 1.5x slower on 2 GPUs).
+_BATCH_NUMEL = 128 << 20
 
 
 class EarlySink:
@@ -49,6 +53,8 @@ class EarlySink:
         self.early_stream = torch.cuda.Stream(storage.param_device) if cuda else None
         self.hyper = None  # hyper.snapshot() from backward's first gradient until step()
         self.early = 0     # shards whose step was queued during backward, since construction (stats)
+        # Handed over (the stream ordered after their reductions), not stepped yet: (shard, outs).
+        self._queued, self._queued_numel = [], 0
 
     def begin(self):
         if self.hyper is None:
@@ -58,11 +64,19 @@ class EarlySink:
         assert factor == 1.0, "overlap_step refuses loss scaling (options.py)"
 
     def take_grad(self, s, outs, early, local=False):
-        self._step([(s, outs)])
-        self.early += early
+        self._queued.append((s, outs))
+        self._queued_numel += s.shard
+        if self._queued_numel >= _BATCH_NUMEL:
+            self.early += early * len(self._queued)
+            self._step_queued()
 
     def take_grads(self, items):
-        self._step([(s, outs) for s, outs, _ in items])
+        self._queued += [(s, outs) for s, outs, _ in items]
+        self._step_queued()
+
+    def _step_queued(self):
+        items, self._queued, self._queued_numel = self._queued, [], 0
+        self._step(items)
 
     def no_grad(self, s):
         self._st.master_params[s.index].grad = None  # torch skips it: no weight decay, no momentum
@@ -114,6 +128,7 @@ class EarlySink:
 
     def join(self):
         """The current stream waits for every step queued so far."""
+        self._step_queued()
         if self.early_stream is not None:
             torch.cuda.current_stream(self._st.param_device).wait_stream(self.early_stream)
 
