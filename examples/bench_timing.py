@@ -31,6 +31,19 @@ def median_time(fn, iters, warmup=3, before_each=None):
     return statistics.median(times)
 
 
+def back_to_back_time(fn, iters):
+    """Mean wall time of fn() over `iters` runs with no synchronization between them, as a
+    training loop runs: the CPU queues the next step while the GPU finishes this one, so
+    where the host sets the pace (micro-batch 1) its work hides under the GPU's and the
+    reverse. median_time() synchronizes after every run and adds both."""
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / iters
+
+
 def run_until_tuned(step_fn, max_steps):
     """With HOROVOD_AUTOTUNE=1: runs step_fn() until the autotuner has kept its best
     setting on every rank, and one step more (a ZeRO optimizer takes the final bucket

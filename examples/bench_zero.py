@@ -54,7 +54,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import horovod_zero.torch as hvd
-from bench_timing import median_time, run_until_tuned, sync, tuned_text
+from bench_timing import back_to_back_time, median_time, run_until_tuned, sync, tuned_text
 from llama_model import LLAMA_1B, LLAMA_3B, LLAMA_8B, TINY, Decoder
 from step_breakdown import OPTIMIZER_MARK, busy, profile_parts
 
@@ -83,7 +83,8 @@ def release_memory():
 
 
 def run_steps(step_fn, steps, warmup=3):
-    return median_time(step_fn, steps, warmup)
+    """(median synchronized step, mean back-to-back step) in s: bench_timing says how they differ."""
+    return median_time(step_fn, steps, warmup), back_to_back_time(step_fn, steps)
 
 
 def build(cfg, dev, compiled=False, ac=False):
@@ -158,7 +159,7 @@ def mean_over_ranks(values):
 
 def bench_floor(cfg, micro, steps, dev, compiled, ac):
     """The compute floor: forward and backward of the same model with bf16 parameters, on
-    each GPU alone (no communication, no optimizer step). (median step s, peak GiB, GPU busy s)."""
+    each GPU alone (no communication, no optimizer step). (median step s, back-to-back step s, peak GiB, GPU busy s)."""
     release_memory()
     torch._dynamo.reset()
     model = build(cfg, dev, compiled, ac).to(torch.bfloat16)
@@ -170,10 +171,10 @@ def bench_floor(cfg, micro, steps, dev, compiled, ac):
             p.grad = None
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    t = run_steps(step, steps)
+    t, tb = run_steps(step, steps)
     peak = peak_gib()
     parts = mean_over_ranks(profile_parts(step, 3, sync))
-    return t, peak, busy(parts)
+    return t, tb, peak, busy(parts)
 
 
 def batch(cfg, micro, dev):
@@ -294,11 +295,11 @@ def _bench_mode(mode, cfg, micro, steps, dev, profile_dir, profile_modes, phases
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     hvd.collective_stats(reset=True)
-    t = run_steps(step, steps)
-    links = bytes_by_set(hvd.collective_stats(), opt, steps + 3) if mode.startswith("zero") else None
+    t, tb = run_steps(step, steps)
+    links = bytes_by_set(hvd.collective_stats(), opt, 2 * steps + 3) if mode.startswith("zero") else None
     keep = os.path.join(trace_dir, f"trace_{mode.replace('+', '_')}.json.gz") if trace_dir and hvd.rank() == 0 else None
     parts = mean_over_ranks(profile_parts(step, 3, sync, keep)) if breakdown else None
-    out = (t, micro * cfg["seq"] / t, peak_gib(), phase_peaks(forward, backward, update) if phases else None, links,
+    out = (t, tb, micro * cfg["seq"] / t, peak_gib(), phase_peaks(forward, backward, update) if phases else None, links,
            parts, tuned)
     if profile_dir and mode in profile_modes:  # every rank steps; rank 0 writes
         profile_steps(step, os.path.join(profile_dir, f"profile_{mode.replace('+', '_')}.txt") if hvd.rank() == 0 else None)
@@ -322,9 +323,9 @@ def bench_coalescing(dev, width, layers, passes, steps):
             opt.step()
             opt.zero_grad()
         hvd.collective_stats(reset=True)
-        t = run_steps(step, steps, warmup=1)
+        t, _ = run_steps(step, steps, warmup=1)
         stats = [s for s in hvd.collective_stats() if s["op"] == "reducescatter"]
-        per_step = steps + 1  # one warm-up step
+        per_step = 2 * steps + 1  # one warm-up step, the median's steps and the back-to-back ones
         rows.append((coalesce, t, sum(s["tensors"] for s in stats) / per_step,
                      sum(s["collectives"] for s in stats) / per_step))
     return rows
@@ -337,7 +338,7 @@ def bench_downcast(cfg, micro, steps, dev):
         hvd.collective_stats(reset=True)
         t = bench_mode("zero2", cfg, micro, steps, dev)[0]
         gathered = sum(s["bytes"] for s in hvd.collective_stats() if s["op"] == "allgather")
-        rows.append((mode, t, gathered / (steps + 3)))
+        rows.append((mode, t, gathered / (2 * steps + 3)))
     os.environ.pop("HOROVOD_ZERO_DOWNCAST", None)
     return rows
 
@@ -472,11 +473,12 @@ def main():
     reduce_dtype = torch.bfloat16 if args.reduce_dtype == "bf16" else torch.float32
     floor_busy = None
     if args.breakdown:
-        t, peak, floor_busy = bench_floor(cfg, args.micro_batch, args.steps, dev, args.compile, args.ac)
-        lines.append(f"{'floor (1 GPU, fwd+bwd)':22s} step {t*1e3:9.1f} ms  GPU busy {floor_busy*1e3:.1f} ms  "
-                     f"peak {peak:6.2f} GiB")
+        t, tb, peak, floor_busy = bench_floor(cfg, args.micro_batch, args.steps, dev, args.compile, args.ac)
+        lines.append(f"{'floor (1 GPU, fwd+bwd)':22s} step {t*1e3:9.1f} ms  back-to-back {tb*1e3:6.1f} ms  "
+                     f"GPU busy {floor_busy*1e3:.1f} ms  peak {peak:6.2f} GiB")
         rows.append(result_row(args, cfg, "floor", dict(compile=args.compile, ac=args.ac),
-                               dict(step_ms=t * 1e3, peak_gib=peak, gpu_busy_ms=floor_busy * 1e3)))
+                               dict(step_ms=t * 1e3, back_to_back_ms=tb * 1e3, peak_gib=peak,
+                                    gpu_busy_ms=floor_busy * 1e3)))
     for mode in args.modes.split(","):
         base, compiled, ac = model_flags(mode.split("@")[0], args.compile, args.ac)
         label = f"{base}{'@' + mode.split('@', 1)[1] if '@' in mode else ''}{'+compile' if compiled else ''}" \
@@ -486,7 +488,7 @@ def main():
             continue
         run = base + mode[len(mode.split("@")[0]):]  # the mode's @settings, without +compile/+ac
         try:
-            t, tok, peak, phases, links, parts, tuned = bench_mode(
+            t, tb, tok, peak, phases, links, parts, tuned = bench_mode(
                 run, cfg, args.micro_batch, args.steps, dev, args.profile_dir, args.profile.split(","), args.phases,
                 reduce_dtype, compiled, ac, adam, args.breakdown, args.trace_dir, args.tune_max_steps)
         except Exception as e:  # noqa: BLE001 - a peer that cannot run this setting: say so, go on
@@ -497,8 +499,9 @@ def main():
                                           for k, v in links.items() if v or k == "global")) if links else ""
         note = "  (blocks eager: not compilable under DeepSpeed ZeRO-3)" if base == "deepspeed3" and \
             (args.compile or "compile" in mode.split("+")) else ""
-        lines.append(f"{label:22s} step {t*1e3:9.1f} ms  {tok:10.0f} tokens/s/GPU  peak {peak:6.2f} GiB{wire}{note}")
-        metrics = dict(step_ms=t * 1e3, tokens_per_s_per_gpu=tok, peak_gib=peak)
+        lines.append(f"{label:22s} step {t*1e3:9.1f} ms  back-to-back {tb*1e3:6.1f} ms  {tok:10.0f} tokens/s/GPU  "
+                     f"peak {peak:6.2f} GiB{wire}{note}")
+        metrics = dict(step_ms=t * 1e3, back_to_back_ms=tb * 1e3, tokens_per_s_per_gpu=tok, peak_gib=peak)
         if tuned[1]:
             lines.append("    " + tuned_text(*tuned))
         if phases:
