@@ -157,7 +157,7 @@ def mean_over_ranks(values):
     return dict(zip(keys, got.tolist()))
 
 
-def bench_floor(cfg, micro, steps, dev, compiled, ac):
+def bench_floor(cfg, micro, steps, dev, compiled, ac, trace_dir=None):
     """The compute floor: forward and backward of the same model with bf16 parameters, on
     each GPU alone (no communication, no optimizer step). (median step s, back-to-back step s, peak GiB, GPU busy s)."""
     release_memory()
@@ -173,7 +173,8 @@ def bench_floor(cfg, micro, steps, dev, compiled, ac):
         torch.cuda.reset_peak_memory_stats()
     t, tb = run_steps(step, steps)
     peak = peak_gib()
-    parts = mean_over_ranks(profile_parts(step, 3, sync))
+    keep = os.path.join(trace_dir, "trace_floor.json.gz") if trace_dir and hvd.rank() == 0 else None
+    parts = mean_over_ranks(profile_parts(step, 3, sync, keep))
     return t, tb, peak, busy(parts)
 
 
@@ -473,7 +474,8 @@ def main():
     reduce_dtype = torch.bfloat16 if args.reduce_dtype == "bf16" else torch.float32
     floor_busy = None
     if args.breakdown:
-        t, tb, peak, floor_busy = bench_floor(cfg, args.micro_batch, args.steps, dev, args.compile, args.ac)
+        t, tb, peak, floor_busy = bench_floor(cfg, args.micro_batch, args.steps, dev, args.compile, args.ac,
+                                              args.trace_dir)
         lines.append(f"{'floor (1 GPU, fwd+bwd)':22s} step {t*1e3:9.1f} ms  back-to-back {tb*1e3:6.1f} ms  "
                      f"GPU busy {floor_busy*1e3:.1f} ms  peak {peak:6.2f} GiB")
         rows.append(result_row(args, cfg, "floor", dict(compile=args.compile, ac=args.ac),
