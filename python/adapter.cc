@@ -237,6 +237,36 @@ class PyRuntime {
     if (let_go) LetGo(h, device, event != nullptr);
   }
 
+  // WaitStream of many handles for one release of the GIL, and one stream wait per
+  // distinct event: the tensors of one fused collective share its event. Every handle is
+  // ordered (and let go) before the first failure, in order, is raised.
+  void WaitStreamAll(const std::vector<int64_t>& hs, int device, bool let_go) {
+    constexpr std::chrono::milliseconds kSlice(50);
+    std::vector<std::shared_ptr<void>> events(hs.size());
+    std::vector<Status> st(hs.size());
+    size_t i = 0;
+    while (i < hs.size()) {
+      {
+        py::gil_scoped_release nogil;
+        const auto until = std::chrono::steady_clock::now() + kSlice;
+        for (; i < hs.size(); ++i) {
+          bool ready = false;
+          st[i] = rt_->handles().WaitLaunchedUntil(hs[i], until, &ready, &events[i]);
+          if (!ready) break;
+        }
+      }
+      if (i < hs.size() && PyErr_CheckSignals() != 0) throw py::error_already_set();
+    }
+    const void* last = nullptr;
+    for (size_t i = 0; i < hs.size(); ++i) {
+      if (!st[i].ok()) continue;
+      if (events[i] && events[i].get() != last) CurrentStreamWaitEvent(device, events[i].get());
+      if (events[i]) last = events[i].get();
+      if (let_go) LetGo(hs[i], device, events[i] != nullptr);
+    }
+    for (const auto& s : st) Check(s);
+  }
+
   // WaitStream without waiting: orders the current stream after the op only if it is
   // queued on the GPU (or done) already, and says whether it did. ZeRO's overlap_step
   // asks at each gradient bucket, so that backward never waits for the runtime.
@@ -646,6 +676,8 @@ PYBIND11_MODULE(_core, m) {
       .def("join", &PyRuntime::Join, py::arg("device"))
       .def("wait", &PyRuntime::Wait)
       .def("wait_stream", &PyRuntime::WaitStream, py::arg("handle"), py::arg("device"), py::arg("let_go") = false)
+      .def("wait_stream_all", &PyRuntime::WaitStreamAll, py::arg("handles"), py::arg("device"),
+           py::arg("let_go") = false)
       .def("try_wait_stream", &PyRuntime::TryWaitStream, py::arg("handle"), py::arg("device"))
       .def("wait_all", &PyRuntime::WaitAll)
       .def("poll", &PyRuntime::Poll)

@@ -27,7 +27,9 @@ SYSTEMS = OrderedDict([
     ("ZeRO-1", "#c7e3b4"),
     ("ZeRO-2", "#7fbf5f"),
     ("ZeRO-2, overlap_param_gather", "#4c9a2a"),
+    ("ZeRO-2, overlap_step", "#a5d38a"),
     ("ZeRO-3", "#1f6b1f"),
+    ("ZeRO-3, overlap_step", "#5f8f5f"),
     ("DeepSpeed ZeRO-3", "#c0504d"),
 ])
 
@@ -50,6 +52,8 @@ def short_name(r):
     name = r["system"].replace("horovod_zero stage ", "ZeRO-")
     if r["settings"].get("overlap_param_gather"):
         name += ", overlap_param_gather"
+    if r["settings"].get("overlap_step"):
+        name += ", overlap_step"
     return name
 
 

@@ -97,7 +97,7 @@ def synchronize(handle):
 
 
 def _wait_stream(handle, device, let_go=False):
-    """Orders the current CUDA stream of `device` after the op, on the GPU, without waiting
+    """Orders the current CUDA stream of `device` after the op (or a list of them), on the GPU, without waiting
     for it to run (a CPU op: waits until it is done). The handle stays valid:
     synchronize() still releases it and reports a failure that comes later.
     `let_go`: the handle no longer holds the op's tensors (synchronize() then returns
@@ -106,7 +106,10 @@ def _wait_stream(handle, device, let_go=False):
     index = -1
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-    _runtime().wait_stream(handle, index, let_go)
+    if isinstance(handle, list):  # many for one call: one wait per fused collective
+        _runtime().wait_stream_all(handle, index, let_go)
+    else:
+        _runtime().wait_stream(handle, index, let_go)
 
 
 def _try_wait_stream(handle, device):

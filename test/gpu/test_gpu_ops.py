@@ -379,11 +379,12 @@ def test_fused_outputs_never_take_memory_the_caller_still_reads():
     assert pool.run(_outputs_never_take_memory_the_caller_still_reads, 4) == [(True,) * 4] * pool.size
 
 
-def _stream_ordered_wait():
+def _stream_ordered_wait(as_list=False):
     """A stream-ordered wait returns once the gather is queued on the GPU; the current
     stream's next kernels still see its result. The NCCL stream is kept busy with a large
     allreduce first, so a read that was not ordered after the gather would find the
-    sentinel the output was filled with."""
+    sentinel the output was filled with. as_list: a grouped gather of two tensors (one fused
+    collective, one event) waited for by one call with both handles."""
     from horovod_zero.torch import mpi_ops
     from horovod_zero.torch.basics import _core
     n, r, dev = hvd.size(), hvd.rank(), hvd.device()
@@ -393,18 +394,27 @@ def _stream_ordered_wait():
         hb = hvd.allreduce_async(busy, op=hvd.Sum, name=f"so.busy.{k}")
         shard = torch.full((1 << 20,), float(r + 1 + k), device=dev)
         out = torch.full((n << 20,), -1.0, device=dev)
-        (h,) = mpi_ops._enqueue(_core.OP_ALLGATHER, [shard], [out], [f"so.g.{k}"])
-        mpi_ops._wait_stream(h, dev)
-        first = out.view(n, -1)[:, :8].clone()  # queued right away on the current stream
-        mpi_ops.synchronize(h)
+        if as_list:
+            other = torch.full((n << 20,), -1.0, device=dev)
+            hs = mpi_ops._enqueue(_core.OP_ALLGATHER, [shard, shard.clone()], [other, out], [f"so.o.{k}", f"so.g.{k}"])
+            mpi_ops._wait_stream(hs, dev)
+            first = out.view(n, -1)[:, :8].clone()  # queued right away on the current stream
+            assert torch.equal(other.view(n, -1)[:, :8], first)
+            mpi_ops.synchronize(hs)
+        else:
+            (h,) = mpi_ops._enqueue(_core.OP_ALLGATHER, [shard], [out], [f"so.g.{k}"])
+            mpi_ops._wait_stream(h, dev)
+            first = out.view(n, -1)[:, :8].clone()  # queued right away on the current stream
+            mpi_ops.synchronize(h)
         hvd.synchronize(hb)
         seen.append(first.cpu())
     return all(torch.equal(s, torch.arange(1, n + 1, dtype=torch.float32).add(k)[:, None].expand(n, 8))
                for k, s in enumerate(seen))
 
 
-def test_stream_ordered_wait_orders_the_callers_stream_after_the_op(gpus):
-    assert gpus.run(_stream_ordered_wait) == [True] * gpus.size
+@pytest.mark.parametrize("as_list", [False, True], ids=["one", "list"])
+def test_stream_ordered_wait_orders_the_callers_stream_after_the_op(gpus, as_list):
+    assert gpus.run(_stream_ordered_wait, as_list) == [True] * gpus.size
 
 
 def _processes_on_gpu0():

@@ -30,7 +30,7 @@ import torch
 from torch.optim.adam import adam
 
 from horovod_zero.torch.zero.core import hyper
-from horovod_zero.torch.zero.core.step import DeviceStep
+from horovod_zero.torch.zero.core.step import DeviceStep, fp32_copies
 
 _STEPPABLE = (torch.optim.Adam, torch.optim.AdamW)
 # Shards handed over during backward are stepped in batches of about this many elements:
@@ -92,9 +92,7 @@ class EarlySink:
         by_group = {}
         with self._stream(), torch.no_grad():
             singles = [(s, outs[0]) for s, outs in items if len(outs) == 1]
-            grads = [torch.empty_like(o, dtype=torch.float32) for _, o in singles]
-            if grads:
-                torch._foreach_copy_(grads, [o for _, o in singles])  # one cast kernel for the batch
+            grads = fp32_copies([o for _, o in singles]) if singles else []
             for (s, _), g in zip(singles, grads):
                 by_group.setdefault(shards[s.index].group, []).append((masters[s.index], g))
             for s, outs in items:

@@ -65,19 +65,22 @@ class ParamGatherer:
         """Waits for the gathers of `indices` (all when None) that are in flight.
         `stream_ordered`: only orders the current stream after them (CUDA), so that the CPU
         need not wait for them to run; release() synchronizes them later."""
+        ordered = []
         for i in list(self.in_flight) if indices is None else indices:
             h = self.in_flight.pop(i, None)
             if h is None:
                 continue
             if stream_ordered and i not in self._after:
                 self._ordered[i] = h  # first: if the wait is interrupted, release() still has it
-                # let_go: a freed unit's memory is reused on this stream, after the gather.
-                ops._wait_stream(h, self._storage.param_device, let_go=True)
+                ordered.append(h)
                 continue
             ops.synchronize(h)
             if i in self._after:
                 out, full = self._after.pop(i)
                 out.copy_(full)
+        if ordered:  # one call: one stream wait per fused collective, not per tensor
+            # let_go: a freed unit's memory is reused on this stream, after the gather.
+            ops._wait_stream(ordered, self._storage.param_device, let_go=True)
 
     def release_finished(self):
         """Releases the stream-ordered gathers that have run, without waiting for others."""

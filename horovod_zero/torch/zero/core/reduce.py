@@ -262,14 +262,12 @@ class GradReducer:
         trained = self._trained()
         had = self._had_anywhere
         # One output per reduction this step.
-        for h, _ in (x for hs in self._pending.values() for x in hs):
-            self.order_after(h)
+        self.order_after([h for hs in self._pending.values() for h, _ in hs])
         outputs = {s.index: self._done.pop(s.index, []) + [out for _, out in self._pending.pop(s.index, ())]
                    for s, _ in trained}
         if not self._groups.final_after_reduce_scatter:
             items = [(s, sum(outputs[s.index][1:], outputs[s.index][0])) for (s, _), flag in zip(trained, had) if flag]
-            for h in self._groups.average_replicas(items):
-                self.order_after(h)
+            self.order_after(list(self._groups.average_replicas(items)))
             outputs.update((s.index, [t]) for s, t in items)
             del items  # the outputs hold them now, freed one by one below
         # Popped, and handed over TAKE_BYTES at a time: the reduced outputs (param_dtype) are
@@ -289,16 +287,19 @@ class GradReducer:
         self._sink.take_grads(batch)
 
     def order_after(self, handle):
-        """Orders the work queued next on the current stream after this op (a reduction of
-        this step, or the gradient norm's allreduce). On GPUs
+        """Orders the work queued next on the current stream after this op, or a list of them
+        (the reductions of this step, or the gradient norm's allreduce). On GPUs
         the CPU does not wait for it to run: it goes on to queue the step, so the GPU is not
         left idle between the last reduction and the step's kernels."""
+        handles = handle if isinstance(handle, list) else [handle]
+        if not handles:
+            return
         device = self._storage.param_device
         if device.type != "cuda" or (self._sink.takes_early and self._sink.early_stream is None):  # offload: the host reads it
-            ops.synchronize(handle)
+            ops.synchronize(handles)
             return
-        ops._wait_stream(handle, device, let_go=True)
-        self._ordered.append(handle)
+        ops._wait_stream(handles, device, let_go=True)  # one call, one wait per fused collective
+        self._ordered += handles
 
     def release(self, wait=True):
         """Releases the reductions finish() only ordered the GPU after, raising if one
