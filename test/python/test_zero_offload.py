@@ -11,6 +11,7 @@ import copy
 import os
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -606,6 +607,33 @@ def _lr_changed_after_backward(offload):
 def test_overlap_step_refuses_a_learning_rate_changed_after_backward(ranks, offload):
     for msg in ranks.run(_lr_changed_after_backward, offload):
         assert msg is not None and "param group(s) [1]" in msg and "scheduler.step() right after" in msg, msg
+
+
+def _scheduler_with_device_overlap():
+    """overlap_step on the device steps the shards itself; the inner optimizer's step() still
+    runs once per step, so an LR scheduler and a step hook see every step."""
+    model = mlp()
+    opt = _wrap(model, "adamw", 2, overlap_step=True)
+    sched = torch.optim.lr_scheduler.StepLR(opt.optimizer, step_size=1, gamma=0.5)
+    hooked = []
+    opt.optimizer.register_step_post_hook(lambda *_: hooked.append(1))
+    n, r = hvd.size(), hvd.rank()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            x, y = batch(step, 0)
+            mse(model, rank_rows(x, r, n), rank_rows(y, r, n)).backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+    order = [str(w.message) for w in caught if "lr_scheduler.step()" in str(w.message)]
+    return len(hooked), order, [g["lr"] for g in opt.param_groups]
+
+
+def test_overlap_step_on_the_device_keeps_lr_schedulers_and_step_hooks_working(ranks):
+    for hooked, order, lrs in ranks.run(_scheduler_with_device_overlap):
+        assert hooked == 2 and not order, (hooked, order)
+        assert lrs == pytest.approx([1e-2 * 0.25, 2e-2 * 0.25]), lrs  # halved after each of the 2 steps
 
 
 def _where(offload, path):

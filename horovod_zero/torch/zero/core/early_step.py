@@ -21,8 +21,8 @@ compute stream after that stream and publishes the new values.
 - The kernel is torch's own Adam/AdamW (torch.optim.adam.adam, fused on CUDA unless
   the group asked for another), on the optimizer's own state, made by its own
   _init_group: checkpoints and results are those of optimizer.step() over the same
-  shards. The inner optimizer's step() itself is not called, so its step hooks do not
-  run."""
+  shards. The inner optimizer's step() is still called once at step(), with no gradient
+  left, so that LR schedulers and step hooks see one step() per step."""
 
 import contextlib
 
@@ -165,6 +165,9 @@ class EarlyStep(DeviceStep):
         # finish() stepped what backward did not: only the ordering and the new values are left.
         self.sink.join()
         self.sink.end_step()
+        # Every master's .grad is None now, so this steps nothing; it is called so that LR
+        # schedulers and step hooks on the inner optimizer see one step() per step.
+        self._optimizer.step()
         params.publish(wait=not overlap)
         return None
 
