@@ -609,11 +609,12 @@ def test_overlap_step_refuses_a_learning_rate_changed_after_backward(ranks, offl
         assert msg is not None and "param group(s) [1]" in msg and "scheduler.step() right after" in msg, msg
 
 
-def _scheduler_with_device_overlap():
-    """overlap_step on the device steps the shards itself; the inner optimizer's step() still
-    runs once per step, so an LR scheduler and a step hook see every step."""
+def _scheduler_sees_each_step(kwargs):
+    """overlap_step on the device, and the C++ Adam of offload, step the shards themselves;
+    the inner optimizer's step() still runs once per step, so an LR scheduler and a step
+    hook see every step."""
     model = mlp()
-    opt = _wrap(model, "adamw", 2, overlap_step=True)
+    opt = _wrap(model, "adamw", 2, **kwargs)
     sched = torch.optim.lr_scheduler.StepLR(opt.optimizer, step_size=1, gamma=0.5)
     hooked = []
     opt.optimizer.register_step_post_hook(lambda *_: hooked.append(1))
@@ -630,8 +631,11 @@ def _scheduler_with_device_overlap():
     return len(hooked), order, [g["lr"] for g in opt.param_groups]
 
 
-def test_overlap_step_on_the_device_keeps_lr_schedulers_and_step_hooks_working(ranks):
-    for hooked, order, lrs in ranks.run(_scheduler_with_device_overlap):
+@pytest.mark.parametrize("kwargs", [dict(overlap_step=True), dict(offload_optimizer="cpu"),
+                                    dict(offload_optimizer="cpu", overlap_step=True)],
+                         ids=["device-overlap", "offload", "offload-overlap"])
+def test_lr_schedulers_and_step_hooks_see_every_step_when_zero_steps_the_shards(ranks, kwargs):
+    for hooked, order, lrs in ranks.run(_scheduler_sees_each_step, kwargs):
         assert hooked == 2 and not order, (hooked, order)
         assert lrs == pytest.approx([1e-2 * 0.25, 2e-2 * 0.25]), lrs  # halved after each of the 2 steps
 

@@ -45,6 +45,7 @@ class HostSource:
 class HostStep:
     def __init__(self, options, storage, optimizer, downcast, log):
         self._st = storage
+        self._optimizer = optimizer
         self.nvme = NvmeState(options.nvme_path, storage, optimizer) if options.offload_optimizer == "nvme" else None
         stepper = self.nvme if self.nvme is not None else make_stepper(optimizer, log)
         self.host = HostOffload(storage, stepper, options.offload_params)
@@ -123,6 +124,10 @@ class HostStep:
         else:
             self._step_chunks(every, gather=self.gatherer.gather)
             wait_for_params(self, self.gatherer)
+        if self.host.stepper.fast:
+            # The C++ Adam stepped the shards and no master has a .grad, so this steps nothing;
+            # it is called so that LR schedulers and step hooks see one step() per step.
+            self._optimizer.step()
         if self._st.sharded_params:
             params.publish(wait=False)  # the next forward gathers the new values
         return None
