@@ -8,6 +8,7 @@ import torch
 
 import horovod_zero.torch as hvd
 import test_zero as cpu  # the CPU tests' workers, run here with device="cuda"
+import test_zero_step_chunks as chunks
 from harness import launch, on_gpus, shared_pool
 from refs import STEPS, adamw, batch, mlp, mse, rank_rows, rel_err, train_reference
 
@@ -37,6 +38,14 @@ def test_zero_on_cuda_matches_the_reference(gpus, stage, mode):
     for on_cuda, errs in gpus.run(_zero_on_gpu, stage, mode):
         assert on_cuda
         assert all(e < 1e-5 for e in errs), errs
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_the_step_in_chunks_on_cuda_gives_the_whole_steps_values(gpus, stage):
+    for whole_chunks, n_chunks, same, err in gpus.run(chunks._chunked_against_whole, stage, 0.05, {}, "cuda"):
+        assert whole_chunks == [0] * STEPS and all(c >= 3 for c in n_chunks), (whole_chunks, n_chunks)
+        assert all(same), same  # torch's fused AdamW, chunk by chunk: bit for bit
+        assert err < 1e-5, err
 
 
 @pytest.mark.parametrize("stage,mode", [(1, "bpps"), (2, "bpps"), (2, "perpass")])

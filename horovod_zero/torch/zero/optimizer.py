@@ -151,7 +151,8 @@ class DistributedZeroOptimizer:
         elif options.overlap_step:
             self._step = EarlyStep(self._storage, optimizer, self.config.downcast, self.config.fused_step)
         else:
-            self._step = DeviceStep(self._storage, optimizer, self.config.downcast, self.config.fused_step)
+            self._step = DeviceStep(self._storage, optimizer, self.config.downcast, self.config.fused_step,
+                                    self.config.step_chunk_bytes)
         self._gatherer = self._step.gatherer
         tuning = ZeroTuning(self.config, options.stage, basics._runtime())
         self._reducer = GradReducer(self._storage, self._step.sink, options.stage >= 2,

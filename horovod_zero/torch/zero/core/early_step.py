@@ -18,21 +18,19 @@ compute stream after that stream and publishes the new values.
   backward again before the step has read it. The fp32 gradient is made on the step
   stream and lives only for its kernel, so the masters' .grad stay None and backward
   holds no fp32 gradients.
-- The kernel is torch's own Adam/AdamW (torch.optim.adam.adam, fused on CUDA unless
-  the group asked for another), on the optimizer's own state, made by its own
-  _init_group: checkpoints and results are those of optimizer.step() over the same
-  shards. The inner optimizer's step() is still called once at step(), with no gradient
+- The kernel is torch's own Adam/AdamW (core/adam_subset.py, fused on CUDA unless
+  the group asked for another): checkpoints and results are those of optimizer.step()
+  over the same shards. The inner optimizer's step() is still called once at step(), with no gradient
   left, so that LR schedulers and step hooks see one step() per step."""
 
 import contextlib
 
 import torch
-from torch.optim.adam import adam
 
 from horovod_zero.torch.zero.core import hyper
+from horovod_zero.torch.zero.core.adam_subset import STEPPABLE, adam_step
 from horovod_zero.torch.zero.core.step import DeviceStep, fp32_copies
 
-_STEPPABLE = (torch.optim.Adam, torch.optim.AdamW)
 # Shards handed over during backward are stepped in batches of about this many elements:
 # each call costs the host about half a millisecond, which at micro-batch 1 is the step's
 # critical path (one call per 32 MiB bucket made a 1.2B model's step 1.5x slower on 2 GPUs).
@@ -113,13 +111,7 @@ class EarlySink:
         for m, g in pairs:
             m.grad = g
         try:
-            lists = [], [], [], [], [], []
-            has_complex = self._optimizer._init_group(dict(group, params=params), *lists)
-            lr, beta1, beta2, eps, weight_decay, decoupled, maximize = self.hyper.get(id(group)) or hyper.hyper_of(group)
-            adam(*lists, amsgrad=group["amsgrad"], has_complex=has_complex, beta1=beta1, beta2=beta2, lr=lr,
-                 weight_decay=weight_decay, eps=eps, maximize=maximize, foreach=group["foreach"],
-                 capturable=group["capturable"], differentiable=False, fused=group["fused"],
-                 decoupled_weight_decay=decoupled)
+            adam_step(self._optimizer, group, params, self.hyper.get(id(group)) or hyper.hyper_of(group))
         finally:
             for m in params:
                 m.grad = None  # the fp32 gradient lives only for the step
@@ -138,7 +130,7 @@ class EarlyStep(DeviceStep):
     """StepStrategy with overlap_step=True on the device: DeviceStep whose sink steps."""
 
     def __init__(self, storage, optimizer, downcast, fused_step):
-        if type(optimizer) not in _STEPPABLE:
+        if type(optimizer) not in STEPPABLE:
             raise ValueError(f"overlap_step=True steps Adam or AdamW shards during backward; "
                              f"{type(optimizer).__name__} is stepped at step(). Use overlap_step=False.")
         super().__init__(storage, optimizer, downcast, fused_step)

@@ -63,12 +63,12 @@ class WholeParams:
         for i in range(len(self._st.shards)):
             self._st.drop(i)
 
-    def publish(self, wait):
-        """Allgathers the master shards into the parameters; wait=False leaves the handles
-        for wait_for_params() (the forward hooks, or the next step). wait=True orders the
-        current stream after them: what runs on it next reads the new values, and the CPU
-        does not wait for the gathers to run."""
-        self._gatherer.gather(range(len(self._st.shards)))
+    def publish(self, wait, indices=None):
+        """Allgathers the master shards at `indices` (all when None) into the parameters;
+        wait=False leaves the handles for wait_for_params() (the forward hooks, or the next
+        step). wait=True orders the current stream after every gather in flight: what runs
+        on it next reads the new values, and the CPU does not wait for the gathers to run."""
+        self._gatherer.gather(range(len(self._st.shards)) if indices is None else indices)
         if wait:
             self._gatherer.wait(stream_ordered=True)
 

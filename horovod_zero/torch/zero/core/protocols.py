@@ -72,8 +72,9 @@ class Params(Protocol):
         """Just before the inner step on the device: the parameters' values may be freed,
         since publish() replaces them."""
 
-    def publish(self, wait: bool) -> None:
-        """The master shards changed: make the parameters follow."""
+    def publish(self, wait: bool, indices: Optional[Sequence[int]] = None) -> None:
+        """The master shards at `indices` (all when None) changed: make the parameters
+        follow."""
 
     def free(self) -> None:
         """zero_grad(): drop whatever a forward left gathered."""

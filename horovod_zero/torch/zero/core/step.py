@@ -9,6 +9,7 @@ import torch
 
 from horovod_zero.torch.zero.core import fused, norms
 from horovod_zero.torch.zero.core.gather import ParamGatherer
+from horovod_zero.torch.zero.core.step_chunks import ChunkedStep
 
 
 def fp32_copies(outs):
@@ -90,12 +91,14 @@ class MasterSource:
 class DeviceStep:
     """StepStrategy of the master shards on the parameters' device."""
 
-    def __init__(self, storage, optimizer, downcast, fused_step):
+    def __init__(self, storage, optimizer, downcast, fused_step, step_chunk_bytes=0):
         self._st = storage
         self._optimizer = optimizer
         self._fused = fused_step  # Adam/AdamW left to its default kernel: the fused one (core/fused.py)
         self.sink = MasterGrads(storage)
         self.gatherer = ParamGatherer(storage, MasterSource(storage), downcast)
+        # Stages 1-2: the step in chunks, each chunk's gather under the next one's step.
+        self.chunked = ChunkedStep(storage, optimizer, step_chunk_bytes)
         if fused_step:
             fused.prefer_fused(optimizer)
 
@@ -131,10 +134,19 @@ class DeviceStep:
     def step(self, closure, params, overlap):
         if closure is None:  # a closure runs forward and backward inside the step: it needs them
             params.drop_values()
+        published = set()
+
+        def publish(indices):
+            params.publish(wait=False, indices=indices)
+            published.update(indices)
         try:
+            if self.chunked.applies(closure):
+                return self.chunked.step(publish)
+            self.chunked.chunks_last_step = 0
             return self._optimizer.step(closure)
         finally:  # also after a step that raised: the parameters take the masters' values again
-            params.publish(wait=not overlap)
+            params.publish(wait=not overlap,
+                           indices=[i for i in range(len(self._st.shards)) if i not in published])
 
     def skip(self):
         pass

@@ -92,7 +92,7 @@ class Stage3:
     def drop_values(self):
         pass  # at rest every unit is freed already
 
-    def publish(self, wait):
+    def publish(self, wait, indices=None):
         self.reshard_all()  # the next forward gathers the new values
 
     def free(self):

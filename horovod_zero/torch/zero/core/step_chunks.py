@@ -1,0 +1,69 @@
+"""Stages 1 and 2 with Adam or AdamW: step() steps the master shards in chunks, in the
+parameters' order, and queues each chunk's allgather as soon as that chunk's step is
+queued, so that on the GPU the gather of one chunk runs under the step of the next.
+
+[Note: the step in chunks]
+Stepped whole, the inner step and the allgather of the new parameters run one after the
+other, and nothing runs beside the allgather, since the next forward waits for every
+parameter (a 1.2B model on 2 GPUs: 6 ms of fused AdamW, then 6 ms of gathers with the
+GPU's compute idle). In chunks they overlap, and what is left exposed is about one
+chunk's gather.
+- Same values: each chunk is torch's own update of its parameters (core/adam_subset.py),
+  elementwise, with the group's kernel and hyperparameters at step().
+- Ordering: the runtime records a gather's ready event on the caller's stream when it
+  is enqueued, after its chunk's step and before the next chunk's, so the gather waits
+  for its own chunk only.
+- A chunk holds at least HOROVOD_ZERO_STEP_CHUNK_BYTES of fp32 masters, whole
+  parameters, so a fused gather rarely spans two chunks; each chunk costs the host one
+  kernel call and one enqueue more.
+- Each chunk's fp32 gradients are dropped once it is stepped, and the inner optimizer's
+  step() is called once after the chunks, with no gradient left: it steps nothing, and
+  LR schedulers and step post-hooks see every step. An optimizer with a step pre-hook,
+  a closure, a subclass or a differentiable group is stepped whole (adam_subset.
+  steps_piecewise)."""
+
+from horovod_zero.torch.zero.core.adam_subset import adam_step, steps_piecewise
+
+
+class ChunkedStep:
+    def __init__(self, storage, optimizer, chunk_bytes):
+        self._st = storage
+        self._optimizer = optimizer
+        self._chunk_numel = chunk_bytes // 4  # fp32 master elements
+        self.chunks_last_step = 0  # for tests and stats: 0 when the last step ran whole
+
+    def applies(self, closure):
+        """Whether step(closure) is stepped in chunks: more than one chunk to make."""
+        if not self._chunk_numel or closure is not None or self._st.sharded_params:
+            return False
+        total = sum(s.shard for s in self._st.shards)
+        return total > self._chunk_numel and steps_piecewise(self._optimizer)
+
+    def _chunks(self):
+        chunk, numel = [], 0
+        for s in self._st.shards:
+            chunk.append(s.index)
+            numel += s.shard
+            if numel >= self._chunk_numel:
+                yield chunk
+                chunk, numel = [], 0
+        if chunk:
+            yield chunk
+
+    def step(self, publish):
+        """Steps every master shard that has a gradient, chunk by chunk, calling
+        publish(indices) after each chunk; then the inner optimizer's step()."""
+        masters, shards, groups = self._st.master_params, self._st.shards, self._optimizer.param_groups
+        self.chunks_last_step = 0
+        for chunk in self._chunks():
+            by_group = {}
+            for i in chunk:
+                if masters[i].grad is not None:
+                    by_group.setdefault(shards[i].group, []).append(masters[i])
+            for k, params in by_group.items():
+                adam_step(self._optimizer, groups[k], params)
+                for m in params:
+                    m.grad = None  # stepped (and freed early); a chunk that raised keeps them
+            publish(chunk)
+            self.chunks_last_step += 1
+        return self._optimizer.step()  # steps nothing: every gradient is gone

@@ -1,0 +1,100 @@
+"""Stages 1 and 2 step Adam/AdamW master shards in chunks, each chunk's allgather queued
+before the next chunk is stepped (core/step_chunks.py): the same weights and state as the
+step in one piece, the reference's weights, and LR schedulers and step hooks that see
+every step. CPU ranks; HOROVOD_ZERO_STEP_CHUNK_BYTES=64 makes a chunk of each
+parameter or two."""
+
+import warnings
+
+import pytest
+import torch
+
+import horovod_zero.torch as hvd
+from harness import scoped_env, shared_pool
+from refs import STEPS, adamw, batch, mlp, mse, rank_rows, rel_err, train_reference
+
+
+@pytest.fixture
+def two_ranks():
+    return shared_pool(2)
+
+
+def _train(stage, chunk_bytes, clip=None, device="cpu", **kwargs):
+    model = mlp(device=hvd.device() if device == "cuda" else "cpu")
+    with scoped_env(HOROVOD_ZERO_STEP_CHUNK_BYTES=chunk_bytes):  # read at construction
+        opt = hvd.DistributedZeroOptimizer(adamw(model.named_parameters()), model=model, stage=stage, **kwargs)
+    chunks = []
+    n, r = hvd.size(), hvd.rank()
+    for step in range(STEPS):
+        x, y = batch(step, 0, next(model.parameters()).device)
+        mse(model, rank_rows(x, r, n), rank_rows(y, r, n)).backward()
+        if clip:
+            opt.clip_grad_norm_(clip)
+        opt.step()
+        chunks.append(opt._step.chunked.chunks_last_step)
+        opt.zero_grad()
+    opt.wait_for_params()
+    weights = [p.detach().clone() for p in model.parameters()]
+    state = [v.clone() for st in opt.optimizer.state.values() for k, v in sorted(st.items()) if k != "step"]
+    return weights, state, chunks
+
+
+def _chunked_against_whole(stage, clip, kwargs, device="cpu"):
+    whole_w, whole_s, whole_chunks = _train(stage, 0, clip, device, **kwargs)
+    w, s, chunks = _train(stage, 64, clip, device, **kwargs)
+    ref, _ = train_reference(1, clip)
+    return (whole_chunks, chunks, [torch.equal(a, b) for a, b in zip(w + s, whole_w + whole_s)],
+            max(rel_err(p, q) for p, q in zip(w, ref.parameters())))
+
+
+@pytest.mark.parametrize("stage,clip,kwargs", [(1, None, {}), (2, None, {}), (2, 0.05, {}),
+                                               (2, None, dict(overlap_param_gather=True))],
+                         ids=["stage1", "stage2", "stage2-clip", "stage2-overlap-gather"])
+def test_the_step_in_chunks_gives_the_whole_steps_values_and_the_references(two_ranks, stage, clip, kwargs):
+    for whole_chunks, chunks, same, err in two_ranks.run(_chunked_against_whole, stage, clip, kwargs):
+        assert whole_chunks == [0] * STEPS and all(c >= 3 for c in chunks), (whole_chunks, chunks)
+        assert all(same), same  # weights and exp_avg, exp_avg_sq: bit for bit
+        assert err < 1e-5, err
+
+
+def _hooks_and_schedulers(pre_hook):
+    """A StepLR and a post-hook see each step; a pre-hook makes the step run whole and
+    runs before it: setting lr to 0 leaves the weights as they were."""
+    model = mlp()
+    with scoped_env(HOROVOD_ZERO_STEP_CHUNK_BYTES=64):
+        opt = hvd.DistributedZeroOptimizer(adamw(model.named_parameters()), model=model, stage=2)
+    sched = torch.optim.lr_scheduler.StepLR(opt.optimizer, step_size=1, gamma=0.5)
+    hooked, chunks = [], []
+    opt.optimizer.register_step_post_hook(lambda *_: hooked.append(1))
+    if pre_hook:
+        def no_step(o, args, kwargs):
+            for g in o.param_groups:
+                g["lr"] = 0.0
+        opt.optimizer.register_step_pre_hook(no_step)
+    before = [p.detach().clone() for p in model.parameters()]
+    n, r = hvd.size(), hvd.rank()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            x, y = batch(step, 0)
+            mse(model, rank_rows(x, r, n), rank_rows(y, r, n)).backward()
+            opt.step()
+            chunks.append(opt._step.chunked.chunks_last_step)
+            opt.zero_grad()
+            sched.step()
+    order = [str(w.message) for w in caught if "lr_scheduler.step()" in str(w.message)]
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    return len(hooked), order, [g["lr"] for g in opt.param_groups], chunks, unchanged
+
+
+def test_lr_schedulers_and_step_hooks_see_every_step_in_chunks(two_ranks):
+    for hooked, order, lrs, chunks, unchanged in two_ranks.run(_hooks_and_schedulers, False):
+        assert hooked == 2 and not order, (hooked, order)
+        assert lrs == pytest.approx([1e-2 * 0.25, 2e-2 * 0.25]), lrs  # halved after each of the 2 steps
+        assert all(c >= 3 for c in chunks) and not unchanged, chunks
+
+
+def test_a_step_pre_hook_runs_before_a_step_made_whole(two_ranks):
+    for hooked, order, lrs, chunks, unchanged in two_ranks.run(_hooks_and_schedulers, True):
+        assert hooked == 2 and chunks == [0, 0], (hooked, chunks)
+        assert unchanged  # the pre-hook's lr=0 reached every shard's update
