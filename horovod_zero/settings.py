@@ -196,7 +196,7 @@ VARIABLES = (
     Variable("HOROVOD_ZERO_FUSED_STEP", "fused_step", "zero", _Bool(), True,
              "ZeRO: step Adam and AdamW master shards with torch's fused kernel when foreach was left "
              "unset; 0: as the optimizer was built"),
-    Variable("HOROVOD_ZERO_STEP_CHUNK_BYTES", "step_chunk_bytes", "zero", _Number(int, 0), 512 * _MiB,
+    Variable("HOROVOD_ZERO_STEP_CHUNK_BYTES", "step_chunk_bytes", "zero", _Number(int, 0), 256 * _MiB,
              "ZeRO stages 1-2, Adam/AdamW: fp32 master bytes stepped before their allgather is queued, so "
              "each chunk's gather runs under the next chunk's step; 0: step all, then gather"),
     Variable("HOROVOD_ZERO_CPU_ADAM_ISA", "cpu_adam_isa", "cpu_adam", _Choice(("auto", "avx512", "avx2", "scalar")),

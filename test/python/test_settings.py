@@ -70,7 +70,7 @@ def test_defaults_and_accepted_spellings():
     assert (s.fusion_threshold_bytes, s.cycle_time_ms, s.cache_capacity, s.log_level) == (128 << 20, 1.0, 1024, "warning")
     assert s.shm_control and not s.exact_gradients
     assert settings.read_section("zero", {}) == dict(bucket_bytes=32 << 20, downcast=True, init_chunk_bytes=None,
-                                                     prefetch=1, fused_step=True, step_chunk_bytes=512 << 20)
+                                                     prefetch=1, fused_step=True, step_chunk_bytes=256 << 20)
     # horovodrun --log-level passes upper case; empty means unset, as in Horovod.
     s = settings.read({"HOROVOD_LOG_LEVEL": "DEBUG", "HOROVOD_ZERO_SHM_CONTROL": "0", "HOROVOD_CYCLE_TIME": "",
                        "HOROVOD_FUSION_THRESHOLD": " 0 "})

@@ -35,6 +35,12 @@ class ShardedStorage:
         self.master, self.plan = [], []  # per param group: flat fp32 buffer, its ParamShards
         self.shard_of = {}
         self.init_path = "device"
+        # Stage 3's hooks point each parameter at its full view, or at an empty tensor, twice
+        # a step per parameter: made once each, they cost the host 0.4 us to assign instead of
+        # 5 us (a view) or 2.5 us (an empty tensor). A view is made the first time its storage
+        # is allocated (slicing checks the storage's size) and stays valid across resizes.
+        self._views = {}  # shard index -> store[:numel].view(shape)
+        self._empties = {}  # shard index -> an empty tensor of its dtype (none shared: nothing aliases)
 
     def add_groups(self, groups, first, names, batches=None):
         """Shards `groups` (param groups `first`, ... of the optimizer, still holding the
@@ -124,7 +130,10 @@ class ShardedStorage:
         s, p, store = self.shards[i], self.params[i], self.stores[i]
         if not self.is_unsharded(i):
             store.untyped_storage().resize_(s.padded * store.element_size())
-        p.data = store[:s.numel].view(s.shape)
+        view = self._views.get(i)
+        if view is None:
+            view = self._views[i] = store[:s.numel].view(s.shape)
+        p.data = view
         return store
 
     def drop(self, i):
@@ -144,7 +153,10 @@ class ShardedStorage:
         self._release(self.shards[i], self.params[i], self.stores[i])
 
     def _release(self, s, p, store):
-        p.data = torch.empty(0, dtype=store.dtype, device=store.device)
+        empty = self._empties.get(s.index)
+        if empty is None:
+            empty = self._empties[s.index] = torch.empty(0, dtype=store.dtype, device=store.device)
+        p.data = empty
         store.untyped_storage().resize_(0)
 
     def holds_storage(self, i):
