@@ -280,6 +280,32 @@ class PyRuntime {
     return true;
   }
 
+  // [Note: letting go once queued]
+  // For each op already queued on the GPU: the caller's current stream (a side stream it
+  // keeps for this, so its compute stream never waits) waits for the op there, and the
+  // handle lets go of its tensors, recorded on that stream. Dropped by the caller too, they
+  // count as freed at once, and the caching allocator hands their memory out again only
+  // once the op has run. ZeRO lets go of each reduce-scatter's full gradient this way: held
+  // until the CPU saw the op finish, the gradients of every unit the CPU had queued ahead of
+  // the GPU stayed allocated together. Returns, per handle, whether it is settled: let go,
+  // or failed (its failure waits for synchronize()); an op not queued yet is left as it was.
+  std::vector<bool> TryLetGoAll(const std::vector<int64_t>& hs, int device) {
+    std::vector<bool> settled(hs.size(), false);
+    const void* last = nullptr;
+    for (size_t i = 0; i < hs.size(); ++i) {
+      std::shared_ptr<void> event;
+      bool ready = false;
+      Status s = rt_->handles().WaitLaunchedUntil(hs[i], std::chrono::steady_clock::now(), &ready, &event);
+      if (!ready) continue;
+      settled[i] = true;
+      if (!s.ok()) continue;
+      if (event && event.get() != last) CurrentStreamWaitEvent(device, event.get());
+      if (event) last = event.get();
+      LetGo(hs[i], device, event != nullptr);
+    }
+    return settled;
+  }
+
   // Many handles for few releases of the GIL. Every handle is waited for and
   // released before the first failure (in order) is raised, so none is left behind;
   // an interrupt (Ctrl-C) releases none of them.
@@ -679,6 +705,7 @@ PYBIND11_MODULE(_core, m) {
       .def("wait_stream_all", &PyRuntime::WaitStreamAll, py::arg("handles"), py::arg("device"),
            py::arg("let_go") = false)
       .def("try_wait_stream", &PyRuntime::TryWaitStream, py::arg("handle"), py::arg("device"))
+      .def("try_let_go_all", &PyRuntime::TryLetGoAll, py::arg("handles"), py::arg("device"))
       .def("wait_all", &PyRuntime::WaitAll)
       .def("poll", &PyRuntime::Poll)
       .def("shutdown", &PyRuntime::Shutdown)

@@ -121,6 +121,15 @@ def _try_wait_stream(handle, device):
     return _runtime().try_wait_stream(handle, index)
 
 
+def _try_let_go(handles, device):
+    """For each CUDA op already queued on the GPU: the current stream of `device` (a side
+    stream, never the compute stream) waits for it, and its handle lets go of its tensors;
+    see [Note: letting go once queued] in python/adapter.cc. Per handle, whether it is
+    settled (let go, or failed; synchronize() reports that)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _runtime().try_let_go_all(handles, index)
+
+
 def poll(handle) -> bool:
     """True when the op behind the handle (every op, for a nested list) has finished."""
     rt = _runtime()

@@ -2,7 +2,8 @@
 rank's shards. Stages 2 and 3 start as each gradient becomes ready in backward,
 in buckets; stage 1, a coalescing block, and backward_passes_per_step=N wait so
 that each parameter is reduced once per step. A full gradient is dropped from the
-parameter when it is taken; the runtime frees it once its collective is done.
+parameter when it is taken; the runtime holds it until its collective is queued on the
+GPU (CUDA; then the caching allocator keeps it until the collective has run) or done.
 Where the reduced shards go is the sink's business (core/protocols.py GradSink): the
 master shards' .grad (core/step.py), or the host (offload/).
 
@@ -41,8 +42,8 @@ class GradReducer:
         # HOROVOD_AUTOTUNE: the bucket size may change at each step ([Note: tuned ZeRO settings]).
         self._tuning = tuning
         # shard index -> [(handle, output)], one per reduction this step. A handle keeps the
-        # full gradient it reduces alive until it is waited for: _drain() waits for those
-        # finished at each flush, so backward holds only the gradients still in flight.
+        # full gradient it reduces alive until it lets go of it (CUDA, once queued) or is
+        # waited for: _drain() waits for those finished at each flush.
         self._pending = {}
         # Handles of reductions finish() only ordered the GPU after: released (their
         # failures raised) at the next finish() or wait_for_params(); they hold nothing.
@@ -58,6 +59,12 @@ class GradReducer:
         # so that its copy to the host runs under the rest of backward.
         self._done = {}  # shard index -> outputs of reductions already finished this step
         self._undrained = collections.deque()  # shard indices submitted, in order, not yet drained
+        # CUDA: the handles that let go of their full gradients once queued on the GPU
+        # (_let_go_inputs()), and the side stream that waits for them so that the caching
+        # allocator reuses that memory only after the reduction has run.
+        cuda = storage.param_device.type == "cuda"
+        self._release_stream = torch.cuda.Stream(storage.param_device) if cuda else None
+        self._let_go = set()
         self._sunk = set()  # shard indices whose first reduction the sink took early
 
     @property
@@ -92,7 +99,21 @@ class GradReducer:
         self._submit(bucket)
         if self._sink.early_stream is not None:
             self._hand_queued()
+        self._let_go_inputs()
         self._drain()
+
+    def _let_go_inputs(self):
+        """The reductions queued on the GPU since the last flush stop holding their full
+        gradients, which count as freed from then on instead of from when the CPU sees them
+        finish: the CPU runs units ahead of the GPU, and their gradients would otherwise
+        all be allocated at once ([Note: letting go once queued] in python/adapter.cc)."""
+        if self._release_stream is None:
+            return
+        todo = [h for index in self._undrained for h, _ in self._pending[index] if h not in self._let_go]
+        if todo:
+            with torch.cuda.stream(self._release_stream):
+                settled = ops._try_let_go(todo, self._storage.param_device)
+            self._let_go.update(h for h, done in zip(todo, settled) if done)
 
     def _stream(self):
         """The sink's early stream as the current one (overlap_step on the device), else nothing."""
@@ -135,6 +156,7 @@ class GradReducer:
             while handles and (wait or ops.poll(handles[0][0])):
                 h, out = handles.pop(0)
                 ops.synchronize(h)
+                self._let_go.discard(h)
                 self._done.setdefault(index, []).append(out)
             if handles:
                 return
@@ -342,6 +364,7 @@ class GradReducer:
         self._pending.clear()
         self._done.clear()
         self._undrained.clear()
+        self._let_go.clear()
         self._sunk.clear()
         self._had_grad.clear()
         self._delay = [self._bpps] * len(self._storage.shards)
