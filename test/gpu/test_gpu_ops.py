@@ -270,6 +270,36 @@ def test_fused_ops_hold_no_buffer_once_done(gpus_buffer):
         assert extra < 1 << 20, f"{extra / 2**20:.1f} MiB still allocated after the op"
 
 
+def _let_go_once_queued():
+    """A reduce-scatter whose handle lets go of its tensors once queued (GradReducer does
+    it for every gradient): the caller's input counts as freed as soon as the caller
+    drops it, before the op has run, and the op still reads it and writes its output."""
+    from horovod_zero.torch import enqueue as ops
+    from horovod_zero.torch.basics import _core
+    n, r, dev = hvd.size(), hvd.rank(), hvd.device()
+    x = torch.full((n << 22,), float(r + 1), device=dev)  # 16 MiB per rank's slice
+    out = torch.empty(1 << 22, device=dev)
+    torch.cuda.synchronize(dev)
+    base = torch.cuda.memory_allocated(dev)
+    (h,) = ops._enqueue(_core.OP_REDUCESCATTER, [x], [out], ["letgo.rs"], ops.Sum)
+    side, deadline = torch.cuda.Stream(dev), time.monotonic() + 30
+    with torch.cuda.stream(side):
+        while not ops._try_let_go([h], dev)[0]:
+            assert time.monotonic() < deadline, "the reduce-scatter was never queued"
+            time.sleep(0.001)
+    del x
+    freed = base - torch.cuda.memory_allocated(dev)
+    torch.cuda.current_stream(dev).wait_stream(side)  # the reader of `out` orders itself after the op
+    held = ops.synchronize(h)  # let go: the handle hands back nothing
+    return freed, (n << 22) * 4, held is None, bool((out == n * (n + 1) / 2).all())
+
+
+def test_a_handle_lets_go_of_its_tensors_once_queued(gpus):
+    for freed, input_bytes, nothing_held, right in gpus.run(_let_go_once_queued):
+        assert freed == input_bytes, (freed, input_bytes)  # before the op ran, or not
+        assert nothing_held and right
+
+
 def _fusion_buffer_path_on_one_stream():
     hvd.init()
     _buffer_path_casts_and_scales()

@@ -38,4 +38,3 @@ def adam_step(optimizer, group, params, hyper=None):
          weight_decay=weight_decay, eps=eps, maximize=maximize, foreach=group["foreach"],
          capturable=group["capturable"], differentiable=False, fused=group["fused"],
          decoupled_weight_decay=decoupled)
-
