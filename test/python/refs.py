@@ -3,6 +3,8 @@ tolerances for the op tests (every rank can rebuild every other rank's input, so
 references are computed in the test itself), and the ZeRO tests' model, batches and
 single-process training, shared by test_zero.py and test/gpu/test_gpu_zero.py."""
 
+import warnings
+
 import torch
 
 DTYPES = ["float32", "float64", "float16", "bfloat16", "int32", "int64", "int8", "uint8"]
@@ -144,3 +146,25 @@ def tied_batch(step, device="cpu"):
     g = torch.Generator().manual_seed(step)
     return (torch.randint(0, 11, (GLOBAL_BATCH, 5), generator=g).to(device),
             torch.randint(0, 11, (GLOBAL_BATCH * 5,), generator=g).to(device))
+
+
+def scheduled_steps(model, opt, n, r, steps=2, after_step=None):
+    """`steps` training steps of a DistributedZeroOptimizer on rank r of n, with a StepLR
+    (halving) on its inner optimizer and a step post-hook that counts: (post-hook calls,
+    torch's warnings that lr_scheduler.step() came before optimizer.step()).
+    after_step() runs after each opt.step()."""
+    sched = torch.optim.lr_scheduler.StepLR(opt.optimizer, step_size=1, gamma=0.5)
+    hooked = []
+    opt.optimizer.register_step_post_hook(lambda *_: hooked.append(1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(steps):
+            x, y = batch(step, 0)
+            mse(model, rank_rows(x, r, n), rank_rows(y, r, n)).backward()
+            opt.step()
+            if after_step is not None:
+                after_step()
+            opt.zero_grad()
+            sched.step()
+    return len(hooked), [str(w.message) for w in caught if "lr_scheduler.step()" in str(w.message)]
+

@@ -11,7 +11,6 @@ import copy
 import os
 import threading
 import time
-import warnings
 
 import pytest
 import torch
@@ -19,7 +18,8 @@ import torch
 import horovod_zero.torch as hvd
 from horovod_zero import _core
 from harness import launch, scoped_env
-from refs import GLOBAL_BATCH, STEPS, Tied, adamw, batch, mlp, mse, rank_rows, rel_err, tied_batch, train_reference
+from refs import (GLOBAL_BATCH, STEPS, Tied, adamw, batch, mlp, mse, rank_rows, rel_err, scheduled_steps, tied_batch,
+                  train_reference)
 
 
 def _on(device):
@@ -615,20 +615,8 @@ def _scheduler_sees_each_step(kwargs):
     hook see every step."""
     model = mlp()
     opt = _wrap(model, "adamw", 2, **kwargs)
-    sched = torch.optim.lr_scheduler.StepLR(opt.optimizer, step_size=1, gamma=0.5)
-    hooked = []
-    opt.optimizer.register_step_post_hook(lambda *_: hooked.append(1))
-    n, r = hvd.size(), hvd.rank()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for step in range(2):
-            x, y = batch(step, 0)
-            mse(model, rank_rows(x, r, n), rank_rows(y, r, n)).backward()
-            opt.step()
-            opt.zero_grad()
-            sched.step()
-    order = [str(w.message) for w in caught if "lr_scheduler.step()" in str(w.message)]
-    return len(hooked), order, [g["lr"] for g in opt.param_groups]
+    hooked, order = scheduled_steps(model, opt, hvd.size(), hvd.rank())
+    return hooked, order, [g["lr"] for g in opt.param_groups]
 
 
 @pytest.mark.parametrize("kwargs", [dict(overlap_step=True), dict(offload_optimizer="cpu"),

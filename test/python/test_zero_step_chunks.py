@@ -4,14 +4,12 @@ step in one piece, the reference's weights, and LR schedulers and step hooks tha
 every step. CPU ranks; HOROVOD_ZERO_STEP_CHUNK_BYTES=64 makes a chunk of each
 parameter or two."""
 
-import warnings
-
 import pytest
 import torch
 
 import horovod_zero.torch as hvd
 from harness import scoped_env, shared_pool
-from refs import STEPS, adamw, batch, mlp, mse, rank_rows, rel_err, train_reference
+from refs import STEPS, adamw, batch, mlp, mse, rank_rows, rel_err, scheduled_steps, train_reference
 
 
 @pytest.fixture
@@ -63,28 +61,17 @@ def _hooks_and_schedulers(pre_hook):
     model = mlp()
     with scoped_env(HOROVOD_ZERO_STEP_CHUNK_BYTES=64):
         opt = hvd.DistributedZeroOptimizer(adamw(model.named_parameters()), model=model, stage=2)
-    sched = torch.optim.lr_scheduler.StepLR(opt.optimizer, step_size=1, gamma=0.5)
-    hooked, chunks = [], []
-    opt.optimizer.register_step_post_hook(lambda *_: hooked.append(1))
     if pre_hook:
         def no_step(o, args, kwargs):
             for g in o.param_groups:
                 g["lr"] = 0.0
         opt.optimizer.register_step_pre_hook(no_step)
     before = [p.detach().clone() for p in model.parameters()]
-    n, r = hvd.size(), hvd.rank()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for step in range(2):
-            x, y = batch(step, 0)
-            mse(model, rank_rows(x, r, n), rank_rows(y, r, n)).backward()
-            opt.step()
-            chunks.append(opt._step.chunked.chunks_last_step)
-            opt.zero_grad()
-            sched.step()
-    order = [str(w.message) for w in caught if "lr_scheduler.step()" in str(w.message)]
+    chunks = []
+    hooked, order = scheduled_steps(model, opt, hvd.size(), hvd.rank(),
+                                    after_step=lambda: chunks.append(opt._step.chunked.chunks_last_step))
     unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    return len(hooked), order, [g["lr"] for g in opt.param_groups], chunks, unchanged
+    return hooked, order, [g["lr"] for g in opt.param_groups], chunks, unchanged
 
 
 def test_lr_schedulers_and_step_hooks_see_every_step_in_chunks(two_ranks):
