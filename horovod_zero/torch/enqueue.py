@@ -103,9 +103,7 @@ def _wait_stream(handle, device, let_go=False):
     `let_go`: the handle no longer holds the op's tensors (synchronize() then returns
     None), so they are freed when the caller drops its own references; the caller's
     later work on this stream is ordered after the op."""
-    index = -1
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _device_index(device)
     if isinstance(handle, list):  # many for one call: one wait per fused collective
         _runtime().wait_stream_all(handle, index, let_go)
     else:
@@ -115,10 +113,7 @@ def _wait_stream(handle, device, let_go=False):
 def _try_wait_stream(handle, device):
     """_wait_stream() without waiting: True (and the current stream ordered after the op)
     if the op is queued on the GPU or done already; False, with nothing changed, if not."""
-    index = -1
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-    return _runtime().try_wait_stream(handle, index)
+    return _runtime().try_wait_stream(handle, _device_index(device))
 
 
 def _try_let_go(handles, device):
@@ -126,8 +121,14 @@ def _try_let_go(handles, device):
     stream, never the compute stream) waits for it, and its handle lets go of its tensors;
     see [Note: letting go once queued] in python/adapter.cc. Per handle, whether it is
     settled (let go, or failed; synchronize() reports that)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _runtime().try_let_go_all(handles, index)
+    return _runtime().try_let_go_all(handles, _device_index(device))
+
+
+def _device_index(device):
+    """The CUDA device's index for the runtime's stream calls; -1 for the host."""
+    if device.type != "cuda":
+        return -1
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def poll(handle) -> bool:
