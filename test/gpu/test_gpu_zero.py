@@ -40,9 +40,10 @@ def test_zero_on_cuda_matches_the_reference(gpus, stage, mode):
         assert all(e < 1e-5 for e in errs), errs
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_the_step_in_chunks_on_cuda_gives_the_whole_steps_values(gpus, stage):
-    for whole_chunks, n_chunks, same, err in gpus.run(chunks._chunked_against_whole, stage, 0.05, {}, "cuda"):
+@pytest.mark.parametrize("stage,kwargs", [(1, {}), (2, {}), (2, dict(overlap_param_gather=True)), (3, {})],
+                         ids=["stage1", "stage2", "stage2-overlap-gather", "stage3"])
+def test_the_step_in_chunks_on_cuda_gives_the_whole_steps_values(gpus, stage, kwargs):
+    for whole_chunks, n_chunks, same, err in gpus.run(chunks._chunked_against_whole, stage, 0.05, kwargs, "cuda"):
         assert whole_chunks == [0] * STEPS and all(c >= 3 for c in n_chunks), (whole_chunks, n_chunks)
         assert all(same), same  # torch's fused AdamW, chunk by chunk: bit for bit
         assert err < 1e-5, err

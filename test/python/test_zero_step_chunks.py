@@ -1,8 +1,10 @@
-"""Stages 1 and 2 step Adam/AdamW master shards in chunks, each chunk's allgather queued
-before the next chunk is stepped (core/step_chunks.py): the same weights and state as the
-step in one piece, the reference's weights, and LR schedulers and step hooks that see
-every step. CPU ranks; HOROVOD_ZERO_STEP_CHUNK_BYTES=64 makes a chunk of each
-parameter or two."""
+"""The step of Adam/AdamW master shards in chunks, in the order the gradients were
+reduced, each chunk's allgather (stages 1 and 2) queued before the next chunk is stepped
+(core/step_chunks.py): the same weights and state as the step in one piece, the
+reference's weights, and LR schedulers and step hooks that see every step. CPU ranks;
+HOROVOD_ZERO_STEP_CHUNK_BYTES=64 makes a chunk of each parameter or two."""
+
+import contextlib
 
 import pytest
 import torch
@@ -32,8 +34,11 @@ def _train(stage, chunk_bytes, clip=None, device="cpu", **kwargs):
         chunks.append(opt._step.chunked.chunks_last_step)
         opt.zero_grad()
     opt.wait_for_params()
-    weights = [p.detach().clone() for p in model.parameters()]
-    state = [v.clone() for st in opt.optimizer.state.values() for k, v in sorted(st.items()) if k != "step"]
+    with opt.gathered_params() if stage == 3 else contextlib.nullcontext():
+        weights = [p.detach().clone() for p in model.parameters()]
+    # In the parameters' order: the state is made in the order the shards are stepped.
+    state = [v.clone() for g in opt.optimizer.param_groups for p in g["params"]
+             for k, v in sorted(opt.optimizer.state[p].items()) if k != "step"]
     return weights, state, chunks
 
 
@@ -46,8 +51,8 @@ def _chunked_against_whole(stage, clip, kwargs, device="cpu"):
 
 
 @pytest.mark.parametrize("stage,clip,kwargs", [(1, None, {}), (2, None, {}), (2, 0.05, {}),
-                                               (2, None, dict(overlap_param_gather=True))],
-                         ids=["stage1", "stage2", "stage2-clip", "stage2-overlap-gather"])
+                                               (2, None, dict(overlap_param_gather=True)), (3, None, {})],
+                         ids=["stage1", "stage2", "stage2-clip", "stage2-overlap-gather", "stage3"])
 def test_the_step_in_chunks_gives_the_whole_steps_values_and_the_references(two_ranks, stage, clip, kwargs):
     for whole_chunks, chunks, same, err in two_ranks.run(_chunked_against_whole, stage, clip, kwargs):
         assert whole_chunks == [0] * STEPS and all(c >= 3 for c in chunks), (whole_chunks, chunks)
@@ -85,3 +90,37 @@ def test_a_step_pre_hook_runs_before_a_step_made_whole(two_ranks):
     for hooked, order, lrs, chunks, unchanged in two_ranks.run(_hooks_and_schedulers, True):
         assert hooked == 2 and chunks == [0, 0], (hooked, chunks)
         assert unchanged  # the pre-hook's lr=0 reached every shard's update
+
+
+def _order_of_the_step(stage):
+    """The shards whose gradients the step takes late, in the order it takes them, and
+    the order their reductions were submitted in (each parameter a bucket of its own)."""
+    model = mlp()
+    with scoped_env(HOROVOD_ZERO_STEP_CHUNK_BYTES=64, HOROVOD_ZERO_BUCKET_BYTES=1):
+        opt = hvd.DistributedZeroOptimizer(adamw(model.named_parameters()), model=model, stage=stage)
+    sink, reducer = opt._step.sink, opt._reducer
+    taken, submitted = [], []
+    take, submit = sink.take_deferred, reducer._submit
+
+    def take_spy(indices=None):
+        taken.extend(i for i in (sink.deferred if indices is None else indices) if i in sink.deferred)
+        take(indices)
+
+    def submit_spy(items):
+        submitted.extend(s.index for s, _, _ in items if s.index not in submitted)
+        submit(items)
+    sink.take_deferred, reducer._submit = take_spy, submit_spy
+    x, y = batch(0, 0, "cpu")
+    mse(model, rank_rows(x, hvd.rank(), hvd.size()), rank_rows(y, hvd.rank(), hvd.size())).backward()
+    opt.step()
+    opt.zero_grad()
+    return taken, submitted, len(opt._storage.shards)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_the_step_takes_the_gradients_in_the_order_they_were_reduced(two_ranks, stage):
+    for taken, submitted, n in two_ranks.run(_order_of_the_step, stage):
+        assert sorted(taken) == list(range(n)) and taken == submitted, (taken, submitted)
+        # Stage 1 reduces every gradient at step(), in the parameters' order; stages 2 and 3
+        # as backward makes them, the last layer's first.
+        assert (taken == list(range(n))) == (stage == 1), taken

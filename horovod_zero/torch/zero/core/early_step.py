@@ -40,6 +40,7 @@ _BATCH_NUMEL = 128 << 20
 class EarlySink:
     """GradSink (core/protocols.py): steps each shard as its reduced gradient arrives."""
 
+    defers = False  # GradSink.defers
     takes_early = True
     one_reduction = True  # GradReducer refuses a second reduction of a shard in one step
 

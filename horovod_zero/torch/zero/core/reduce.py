@@ -66,6 +66,9 @@ class GradReducer:
         self._release_stream = torch.cuda.Stream(storage.param_device) if cuda else None
         self._let_go = set()
         self._sunk = set()  # shard indices whose first reduction the sink took early
+        # After finish(): shard index -> its reductions the GPU is not ordered after yet,
+        # until the sink reads the shard (order_shards()); release() orders the rest.
+        self._unordered = {}
 
     @property
     def busy(self):
@@ -279,34 +282,61 @@ class GradReducer:
         self._reduced = True
 
     def _take_rest(self):
-        """finish(): orders the GPU after every reduction of this step and hands the sink
-        what it did not take early."""
+        """finish(): hands the sink what it did not take early, in the order the reductions
+        were submitted, and orders the GPU after them. A sink that `defers` is handed the
+        single reductions without that order: it orders the stream after a shard's
+        reductions (order_shards()) only when it first reads it, so that the step of the
+        shards reduced first runs while the last reductions still run on the GPU ([Note:
+        the step in chunks] in core/step_chunks.py)."""
         trained = self._trained()
-        had = self._had_anywhere
-        # One output per reduction this step.
-        self.order_after([h for hs in self._pending.values() for h, _ in hs])
+        had = dict(zip((s.index for s, _ in trained), self._had_anywhere))
+        submitted = {index: k for k, index in enumerate(self._pending)}  # first submission of each
+        trained.sort(key=lambda sp: submitted.get(sp[0].index, -1))  # those taken early first
+        handles = {s.index: [h for h, _ in self._pending.get(s.index, ())] for s, _ in trained}
         outputs = {s.index: self._done.pop(s.index, []) + [out for _, out in self._pending.pop(s.index, ())]
                    for s, _ in trained}
-        if not self._groups.final_after_reduce_scatter:
-            items = [(s, sum(outputs[s.index][1:], outputs[s.index][0])) for (s, _), flag in zip(trained, had) if flag]
+        final = self._groups.final_after_reduce_scatter
+        if not final:
+            self.order_after([h for hs in handles.values() for h in hs])
+            handles = {}
+            items = [(s, sum(outputs[s.index][1:], outputs[s.index][0])) for s, _ in trained if had[s.index]]
             self.order_after(list(self._groups.average_replicas(items)))
             outputs.update((s.index, [t]) for s, t in items)
             del items  # the outputs hold them now, freed one by one below
+        self._unordered = handles
         # Popped, and handed over TAKE_BYTES at a time: the reduced outputs (param_dtype) are
         # freed as the sink takes them (MasterGrads makes fp32 .grad), so the two never all
         # exist at once, and the sink still casts many shards in one kernel.
-        batch, size = [], 0
-        for (s, _), flag in zip(trained, had):
+        batch, deferred, size = [], [], 0
+        for s, _ in trained:
             outs = outputs.pop(s.index)
-            if not flag:
+            if not had[s.index]:
                 self._sink.no_grad(s)  # no rank had a gradient: the inner optimizer skips it, as torch would
-            elif s.index not in self._sunk or len(outs) > 1:
+            elif s.index in self._sunk and len(outs) == 1:
+                pass
+            elif self._sink.defers and len(outs) == 1:
+                deferred.append((s, outs[0]))
+            else:
                 batch.append((s, outs, self._had_grad.get(s.index, False)))
                 size += sum(o.numel() * o.element_size() for o in outs)
                 if size >= self.TAKE_BYTES:
-                    self._sink.take_grads(batch)
+                    self._hand(batch)
                     batch, size = [], 0
+        self._hand(batch)
+        if deferred:
+            self._sink.defer(deferred, self.order_shards)
+        else:
+            self.order_shards(list(self._unordered))
+
+    def _hand(self, batch):
+        self.order_shards([s.index for s, _, _ in batch])
         self._sink.take_grads(batch)
+
+    def order_shards(self, indices):
+        """Orders the current stream after this step's reductions of the shards at
+        `indices` that it is not ordered after yet (see _take_rest())."""
+        handles = [h for i in indices for h in self._unordered.pop(i, ())]
+        self.order_after(handles)
 
     def order_after(self, handle):
         """Orders the work queued next on the current stream after this op, or a list of them
@@ -327,6 +357,7 @@ class GradReducer:
         """Releases the reductions finish() only ordered the GPU after, raising if one
         failed; wait=False: only those that have run (zero_grad() right after step() must
         not make the CPU wait for the GPU). At the next finish() they have run long ago."""
+        self.order_shards(list(self._unordered))  # a handle is ordered after before it is released
         n = len(self._ordered) if wait else next(
             (k for k, h in enumerate(self._ordered) if not ops.poll(h)), len(self._ordered))
         done, self._ordered = self._ordered[:n], self._ordered[n:]

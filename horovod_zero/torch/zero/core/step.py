@@ -22,15 +22,21 @@ def fp32_copies(outs):
 
 
 class MasterGrads:
-    """GradSink: each shard's reductions, summed in fp32 and unscaled, as its master's .grad."""
+    """GradSink: each shard's reductions, summed in fp32 and unscaled, as its master's .grad.
+    A single reduction in param_dtype is deferred: cast when the step first reads it
+    (take_deferred()), so that the step of the shards reduced first does not wait for
+    the last reductions ([Note: the step in chunks] in core/step_chunks.py)."""
 
     takes_early = False
     one_reduction = False
     early_stream = None
+    defers = True
 
     def __init__(self, storage):
         self._st = storage
         self._unscale = 1.0
+        self._deferred = {}  # shard index -> its reduced output, in the order reduced
+        self._order = None  # GradReducer.order_shards of the deferred outputs
 
     def begin(self):
         pass
@@ -66,9 +72,33 @@ class MasterGrads:
         for (master, _), g in zip(cast, grads):
             master.grad = g
 
+    def defer(self, items, order):
+        self._deferred.update((s.index, out) for s, out in items)
+        self._order = order
+
+    @property
+    def deferred(self):
+        """The indices of the deferred shards, in the order their reductions were submitted."""
+        return list(self._deferred)
+
+    def take_deferred(self, indices=None):
+        """The deferred shards at `indices` (all when None) become their masters' .grad, the
+        current stream ordered after their reductions first."""
+        todo = list(self._deferred) if indices is None else [i for i in indices if i in self._deferred]
+        if not todo:
+            return
+        self._order(todo)
+        shards = self._st.shards
+        self.take_grads([(shards[i], [self._deferred.pop(i)], False) for i in todo])
+
     def no_grad(self, s):
         # grad None: the inner optimizer skips the parameter (no weight decay, no momentum).
         self._st.master_params[s.index].grad = None
+
+    def clear(self):
+        """zero_grad(): the deferred outputs are dropped (the reducer orders and releases
+        their reductions)."""
+        self._deferred.clear()
 
 
 class MasterSource:
@@ -97,12 +127,14 @@ class DeviceStep:
         self._fused = fused_step  # Adam/AdamW left to its default kernel: the fused one (core/fused.py)
         self.sink = MasterGrads(storage)
         self.gatherer = ParamGatherer(storage, MasterSource(storage), downcast)
-        # Stages 1-2: the step in chunks, each chunk's gather under the next one's step.
+        # The step in chunks, in the order of the reductions; at stages 1-2 each chunk's
+        # gather under the next one's step.
         self.chunked = ChunkedStep(storage, optimizer, step_chunk_bytes)
         if fused_step:
             fused.prefer_fused(optimizer)
 
     def _grads(self):
+        self.sink.take_deferred()
         return [mp.grad for mp in self._st.master_params if mp.grad is not None]
 
     state_on_disk = False
@@ -141,8 +173,10 @@ class DeviceStep:
             published.update(indices)
         try:
             if self.chunked.applies(closure):
-                return self.chunked.step(publish)
+                # Stage 3 publishes once, after the step: its parameters are gathered at the next forward.
+                return self.chunked.step(self.sink, (lambda indices: None) if self._st.sharded_params else publish)
             self.chunked.chunks_last_step = 0
+            self.sink.take_deferred()
             return self._optimizer.step(closure)
         finally:  # also after a step that raised: the parameters take the masters' values again
             params.publish(wait=not overlap,
@@ -163,8 +197,10 @@ class DeviceStep:
         self.gatherer.wait(stream_ordered=True)
 
     def forward_wait(self, indices):
+        # On the GPU only: the CPU queues the unit's forward without waiting for the gather
+        # to run (released by the next wait_for_params() or gather).
         if self.gatherer.in_flight:
-            self.gatherer.wait(indices)
+            self.gatherer.wait(indices, stream_ordered=True)
 
     def check_skip(self):
         pass
@@ -176,7 +212,7 @@ class DeviceStep:
         return contextlib.nullcontext()
 
     def clear(self):
-        pass
+        self.sink.clear()
 
     def stats(self):
         return {}

@@ -1,13 +1,21 @@
-"""Stages 1 and 2 with Adam or AdamW: step() steps the master shards in chunks, in the
-parameters' order, and queues each chunk's allgather as soon as that chunk's step is
-queued, so that on the GPU the gather of one chunk runs under the step of the next.
+"""With Adam or AdamW, step() steps the master shards in chunks, in the order their
+gradients were reduced; at stages 1 and 2 it queues each chunk's allgather as soon as
+that chunk's step is queued, so that on the GPU the gather of one chunk runs under the
+step of the next.
 
 [Note: the step in chunks]
-Stepped whole, the inner step and the allgather of the new parameters run one after the
-other, and nothing runs beside the allgather, since the next forward waits for every
-parameter (a 1.2B model on 2 GPUs: 6 ms of fused AdamW, then 6 ms of gathers with the
-GPU's compute idle). In chunks they overlap, and what is left exposed is about one
-chunk's gather.
+Stepped whole, the step waits for the last reduce-scatter of backward, and the
+allgather of the new parameters runs after the whole step with nothing beside it,
+since the next forward waits for every parameter (a 1.2B model on 2 GPUs: 6 ms of
+fused AdamW, then 6 ms of gathers with the GPU's compute idle). In chunks they overlap:
+- The reduced gradients stay in param_dtype until their chunk is stepped (core/step.py
+  MasterGrads.defer); the stream waits for a chunk's reductions just before its cast
+  and step. Chunks go in the order the reductions were submitted, so the shards
+  reduced first are stepped while the last reductions (the embedding's, at the end of
+  backward) still run. At stage 1, where every reduction starts at step(), the step of
+  one chunk runs beside the reductions of the next.
+- At stages 1 and 2 each chunk's allgather is queued after its step: what is left
+  exposed is about one chunk's gather. Stage 3 gathers at the next forward.
 - Same values: each chunk is torch's own update of its parameters (core/adam_subset.py),
   elementwise, with the group's kernel and hyperparameters at step().
 - Ordering: the runtime records a gather's ready event on the caller's stream when it
@@ -20,7 +28,7 @@ chunk's gather.
   step() is called once after the chunks, with no gradient left: it steps nothing, and
   LR schedulers and step post-hooks see every step. An optimizer with a step pre-hook,
   a closure, a subclass or a differentiable group is stepped whole (adam_subset.
-  steps_piecewise)."""
+  steps_piecewise), after every gradient is cast."""
 
 from horovod_zero.torch.zero.core.adam_subset import adam_step, steps_piecewise
 
@@ -34,28 +42,34 @@ class ChunkedStep:
 
     def applies(self, closure):
         """Whether step(closure) is stepped in chunks: more than one chunk to make."""
-        if not self._chunk_numel or closure is not None or self._st.sharded_params:
+        if not self._chunk_numel or closure is not None:
             return False
         total = sum(s.shard for s in self._st.shards)
         return total > self._chunk_numel and steps_piecewise(self._optimizer)
 
-    def _chunks(self):
+    def _chunks(self, deferred):
+        """Whole shards, those whose gradient is already cast (or absent) first, then the
+        `deferred` ones in the order they were reduced."""
+        late = set(deferred)
+        order = [s.index for s in self._st.shards if s.index not in late] + deferred
         chunk, numel = [], 0
-        for s in self._st.shards:
-            chunk.append(s.index)
-            numel += s.shard
+        for i in order:
+            chunk.append(i)
+            numel += self._st.shards[i].shard
             if numel >= self._chunk_numel:
                 yield chunk
                 chunk, numel = [], 0
         if chunk:
             yield chunk
 
-    def step(self, publish):
-        """Steps every master shard that has a gradient, chunk by chunk, calling
-        publish(indices) after each chunk; then the inner optimizer's step()."""
+    def step(self, sink, publish):
+        """Steps every master shard that has a gradient, chunk by chunk, taking each chunk's
+        deferred gradients from `sink` first and calling publish(indices) after it; then the
+        inner optimizer's step()."""
         masters, shards, groups = self._st.master_params, self._st.shards, self._optimizer.param_groups
         self.chunks_last_step = 0
-        for chunk in self._chunks():
+        for chunk in self._chunks(sink.deferred):
+            sink.take_deferred(chunk)
             by_group = {}
             for i in chunk:
                 if masters[i].grad is not None:

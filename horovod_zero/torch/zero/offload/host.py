@@ -33,6 +33,7 @@ class HostOffload:
     """Host state of the offloaded step, and the GradReducer's sink without overlap_step
     (core/protocols.py GradSink)."""
 
+    defers = False  # GradSink.defers
     takes_early = True
     one_reduction = False
     early_stream = None

@@ -56,6 +56,7 @@ class OverlapSink:
     every rank gathers every shard it stepped whatever its forward runs (ranks whose
     forwards differ would wait for each other)."""
 
+    defers = False  # GradSink.defers
     takes_early = True
     one_reduction = True  # GradReducer refuses a second reduction of a shard in one step
     early_stream = None
