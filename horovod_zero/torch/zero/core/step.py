@@ -133,8 +133,12 @@ class DeviceStep:
         if fused_step:
             fused.prefer_fused(optimizer)
 
+    def _take_deferred(self):
+        if self.sink.defers:  # overlap_step's sink (core/early_step.py) defers nothing
+            self.sink.take_deferred()
+
     def _grads(self):
-        self.sink.take_deferred()
+        self._take_deferred()
         return [mp.grad for mp in self._st.master_params if mp.grad is not None]
 
     state_on_disk = False
@@ -176,7 +180,7 @@ class DeviceStep:
                 # Stage 3 publishes once, after the step: its parameters are gathered at the next forward.
                 return self.chunked.step(self.sink, (lambda indices: None) if self._st.sharded_params else publish)
             self.chunked.chunks_last_step = 0
-            self.sink.take_deferred()
+            self._take_deferred()
             return self._optimizer.step(closure)
         finally:  # also after a step that raised: the parameters take the masters' values again
             params.publish(wait=not overlap,
@@ -212,7 +216,8 @@ class DeviceStep:
         return contextlib.nullcontext()
 
     def clear(self):
-        self.sink.clear()
+        if self.sink.defers:
+            self.sink.clear()
 
     def stats(self):
         return {}
