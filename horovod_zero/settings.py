@@ -197,8 +197,11 @@ VARIABLES = (
              "ZeRO: step Adam and AdamW master shards with torch's fused kernel when foreach was left "
              "unset; 0: as the optimizer was built"),
     Variable("HOROVOD_ZERO_STEP_CHUNK_BYTES", "step_chunk_bytes", "zero", _Number(int, 0), 256 * _MiB,
-             "ZeRO stages 1-2, Adam/AdamW: fp32 master bytes stepped before their allgather is queued, so "
-             "each chunk's gather runs under the next chunk's step; 0: step all, then gather"),
+             "ZeRO, Adam/AdamW: fp32 master bytes stepped at a time, in the order the gradients were reduced; "
+             "at stages 1-2 each chunk's allgather runs under the next chunk's step; 0: step all at once"),
+    Variable("HOROVOD_ZERO_MASTER_ADAM", "master_adam", "zero", _Bool(), True,
+             "ZeRO on CUDA, Adam/AdamW with the fused kernel, stepped in chunks: step from the reduced "
+             "bf16/fp16 gradients in one kernel, without casting them to fp32 first; 0: cast, then torch's kernel"),
     Variable("HOROVOD_ZERO_CPU_ADAM_ISA", "cpu_adam_isa", "cpu_adam", _Choice(("auto", "avx512", "avx2", "scalar")),
              "auto", "ZeRO CPU offload: instruction set of the C++ Adam step; auto: the widest this CPU has"),
     Variable("HOROVOD_ZERO_NVME_QUEUE_DEPTH", "nvme_queue_depth", "nvme", _Number(int, 1, 1024), 8,

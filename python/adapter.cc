@@ -9,6 +9,7 @@
 #include "runtime/runtime.h"
 #include "transport/gloo/gloo_transport.h"
 #include "cuda_stream.h"
+#include "master_adam.h"
 #include "offload_adam.h"
 #include "offload_aio.h"
 
@@ -718,6 +719,7 @@ PYBIND11_MODULE(_core, m) {
 
   m.def("cpu_cast", &CpuCast, py::arg("tensor"), py::arg("dtype"), py::arg("scale") = 1.0);
   RegisterOffloadAdam(m);
+  RegisterMasterAdam(m);
   m.attr("OP_ALLREDUCE") = static_cast<int>(OpType::kAllreduce);
   m.attr("OP_ALLGATHER") = static_cast<int>(OpType::kAllgather);
   m.attr("OP_REDUCESCATTER") = static_cast<int>(OpType::kReducescatter);

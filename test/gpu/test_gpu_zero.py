@@ -42,10 +42,20 @@ def test_zero_on_cuda_matches_the_reference(gpus, stage, mode):
 
 @pytest.mark.parametrize("stage,kwargs", [(1, {}), (2, {}), (2, dict(overlap_param_gather=True)), (3, {})],
                          ids=["stage1", "stage2", "stage2-overlap-gather", "stage3"])
-def test_the_step_in_chunks_on_cuda_gives_the_whole_steps_values(gpus, stage, kwargs):
-    for whole_chunks, n_chunks, same, err in gpus.run(chunks._chunked_against_whole, stage, 0.05, kwargs, "cuda"):
-        assert whole_chunks == [0] * STEPS and all(c >= 3 for c in n_chunks), (whole_chunks, n_chunks)
-        assert all(same), same  # torch's fused AdamW, chunk by chunk: bit for bit
+@pytest.mark.parametrize("master_adam", [False, True], ids=["cast", "uncast"])
+def test_the_step_in_chunks_on_cuda_gives_the_whole_steps_values(gpus, stage, kwargs, master_adam):
+    """With torch's fused AdamW after the cast, chunk by chunk: bit for bit. From the uncast
+    bf16 gradients (csrc/cuda/master_adam.cu, unless clipping cast them): torch's update
+    to fp32 rounding."""
+    clip = None if master_adam else 0.05
+    for whole_chunks, n_chunks, same, diff, err in gpus.run(chunks._chunked_against_whole, stage, clip, kwargs,
+                                                            "cuda", master_adam):
+        assert whole_chunks == [(0, 0)] * STEPS and all(c >= 3 for c, _ in n_chunks), (whole_chunks, n_chunks)
+        if master_adam:
+            assert all(u > 0 for _, u in n_chunks), n_chunks
+            assert diff < 1e-5, diff
+        else:
+            assert all(same) and all(u == 0 for _, u in n_chunks), (same, n_chunks)
         assert err < 1e-5, err
 
 

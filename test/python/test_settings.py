@@ -70,7 +70,8 @@ def test_defaults_and_accepted_spellings():
     assert (s.fusion_threshold_bytes, s.cycle_time_ms, s.cache_capacity, s.log_level) == (128 << 20, 1.0, 1024, "warning")
     assert s.shm_control and not s.exact_gradients
     assert settings.read_section("zero", {}) == dict(bucket_bytes=32 << 20, downcast=True, init_chunk_bytes=None,
-                                                     prefetch=1, fused_step=True, step_chunk_bytes=256 << 20)
+                                                     prefetch=1, fused_step=True, step_chunk_bytes=256 << 20,
+                                                     master_adam=True)
     # horovodrun --log-level passes upper case; empty means unset, as in Horovod.
     s = settings.read({"HOROVOD_LOG_LEVEL": "DEBUG", "HOROVOD_ZERO_SHM_CONTROL": "0", "HOROVOD_CYCLE_TIME": "",
                        "HOROVOD_FUSION_THRESHOLD": " 0 "})
@@ -94,7 +95,7 @@ GOOD = {
     "HOROVOD_GLOO_TIMEOUT_SECONDS": "45", "HOROVOD_ZERO_DIRECT_MAX_TENSORS": "3",
     "HOROVOD_ZERO_COPY_STREAM_BYTES": "4096", "HOROVOD_ZERO_SHM_CONTROL": "0", "HOROVOD_ZERO_BUCKET_BYTES": "1000",
     "HOROVOD_ZERO_DOWNCAST": "0", "HOROVOD_ZERO_INIT_CHUNK_BYTES": "4096", "HOROVOD_ZERO_PREFETCH": "2",
-    "HOROVOD_ZERO_FUSED_STEP": "0", "HOROVOD_ZERO_STEP_CHUNK_BYTES": "8192",
+    "HOROVOD_ZERO_FUSED_STEP": "0", "HOROVOD_ZERO_STEP_CHUNK_BYTES": "8192", "HOROVOD_ZERO_MASTER_ADAM": "0",
 }
 
 
@@ -120,7 +121,7 @@ def test_good_values_reach_the_runtime_and_the_zero_optimizer():
         assert info["direct_max_tensors"] == 3 and info["copy_stream_bytes"] == 4096
         assert info["control_plane"] == "gloo"  # HOROVOD_ZERO_SHM_CONTROL=0
         assert zero == ZeroConfig(bucket_bytes=1000, downcast=False, init_chunk_bytes=4096, prefetch=2,
-                                  fused_step=False, step_chunk_bytes=8192)
+                                  fused_step=False, step_chunk_bytes=8192, master_adam=False)
 
 
 def _zero_bad_after_init():

@@ -19,9 +19,9 @@ def two_ranks():
     return shared_pool(2)
 
 
-def _train(stage, chunk_bytes, clip=None, device="cpu", **kwargs):
+def _train(stage, chunk_bytes, clip=None, device="cpu", master_adam=True, **kwargs):
     model = mlp(device=hvd.device() if device == "cuda" else "cpu")
-    with scoped_env(HOROVOD_ZERO_STEP_CHUNK_BYTES=chunk_bytes):  # read at construction
+    with scoped_env(HOROVOD_ZERO_STEP_CHUNK_BYTES=chunk_bytes, HOROVOD_ZERO_MASTER_ADAM=int(master_adam)):
         opt = hvd.DistributedZeroOptimizer(adamw(model.named_parameters()), model=model, stage=stage, **kwargs)
     chunks = []
     n, r = hvd.size(), hvd.rank()
@@ -31,7 +31,7 @@ def _train(stage, chunk_bytes, clip=None, device="cpu", **kwargs):
         if clip:
             opt.clip_grad_norm_(clip)
         opt.step()
-        chunks.append(opt._step.chunked.chunks_last_step)
+        chunks.append((opt._step.chunked.chunks_last_step, opt._step.chunked.uncast_last_step))
         opt.zero_grad()
     opt.wait_for_params()
     with opt.gathered_params() if stage == 3 else contextlib.nullcontext():
@@ -42,11 +42,15 @@ def _train(stage, chunk_bytes, clip=None, device="cpu", **kwargs):
     return weights, state, chunks
 
 
-def _chunked_against_whole(stage, clip, kwargs, device="cpu"):
-    whole_w, whole_s, whole_chunks = _train(stage, 0, clip, device, **kwargs)
-    w, s, chunks = _train(stage, 64, clip, device, **kwargs)
+def _chunked_against_whole(stage, clip, kwargs, device="cpu", master_adam=True):
+    """The chunk counts (and shards stepped uncast) of the whole and the chunked runs;
+    per tensor (weights, exp_avg, exp_avg_sq) whether the two are equal, and their
+    largest relative difference; the chunked weights' error against the reference."""
+    whole_w, whole_s, whole_chunks = _train(stage, 0, clip, device, master_adam, **kwargs)
+    w, s, chunks = _train(stage, 64, clip, device, master_adam, **kwargs)
     ref, _ = train_reference(1, clip)
     return (whole_chunks, chunks, [torch.equal(a, b) for a, b in zip(w + s, whole_w + whole_s)],
+            max(rel_err(a, b) for a, b in zip(w + s, whole_w + whole_s)),
             max(rel_err(p, q) for p, q in zip(w, ref.parameters())))
 
 
@@ -54,8 +58,8 @@ def _chunked_against_whole(stage, clip, kwargs, device="cpu"):
                                                (2, None, dict(overlap_param_gather=True)), (3, None, {})],
                          ids=["stage1", "stage2", "stage2-clip", "stage2-overlap-gather", "stage3"])
 def test_the_step_in_chunks_gives_the_whole_steps_values_and_the_references(two_ranks, stage, clip, kwargs):
-    for whole_chunks, chunks, same, err in two_ranks.run(_chunked_against_whole, stage, clip, kwargs):
-        assert whole_chunks == [0] * STEPS and all(c >= 3 for c in chunks), (whole_chunks, chunks)
+    for whole_chunks, chunks, same, _, err in two_ranks.run(_chunked_against_whole, stage, clip, kwargs):
+        assert whole_chunks == [(0, 0)] * STEPS and all(c >= 3 and not u for c, u in chunks), (whole_chunks, chunks)
         assert all(same), same  # weights and exp_avg, exp_avg_sq: bit for bit
         assert err < 1e-5, err
 
@@ -102,9 +106,9 @@ def _order_of_the_step(stage):
     taken, submitted = [], []
     take, submit = sink.take_deferred, reducer._submit
 
-    def take_spy(indices=None):
+    def take_spy(indices=None, raw=None):
         taken.extend(i for i in (sink.deferred if indices is None else indices) if i in sink.deferred)
-        take(indices)
+        return take(indices, raw)
 
     def submit_spy(items):
         submitted.extend(s.index for s, _, _ in items if s.index not in submitted)

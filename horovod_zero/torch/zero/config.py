@@ -15,7 +15,8 @@ class ZeroConfig:
     init_chunk_bytes: Optional[int]  # HOROVOD_ZERO_INIT_CHUNK_BYTES: force the host-staged init
     prefetch: int                    # HOROVOD_ZERO_PREFETCH: stage 3 units gathered ahead
     fused_step: bool                 # HOROVOD_ZERO_FUSED_STEP: Adam/AdamW masters stepped by the fused kernel
-    step_chunk_bytes: int            # HOROVOD_ZERO_STEP_CHUNK_BYTES: stages 1-2, masters stepped per gather
+    step_chunk_bytes: int            # HOROVOD_ZERO_STEP_CHUNK_BYTES: masters stepped at a time (and gathered: stages 1-2)
+    master_adam: bool                # HOROVOD_ZERO_MASTER_ADAM: CUDA Adam from the uncast reduced gradients
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "ZeroConfig":

@@ -152,7 +152,7 @@ class DistributedZeroOptimizer:
             self._step = EarlyStep(self._storage, optimizer, self.config.downcast, self.config.fused_step)
         else:
             self._step = DeviceStep(self._storage, optimizer, self.config.downcast, self.config.fused_step,
-                                    self.config.step_chunk_bytes)
+                                    self.config.step_chunk_bytes, self.config.master_adam)
         self._gatherer = self._step.gatherer
         tuning = ZeroTuning(self.config, options.stage, basics._runtime())
         self._reducer = GradReducer(self._storage, self._step.sink, options.stage >= 2,

@@ -81,15 +81,23 @@ class MasterGrads:
         """The indices of the deferred shards, in the order their reductions were submitted."""
         return list(self._deferred)
 
-    def take_deferred(self, indices=None):
+    def take_deferred(self, indices=None, raw=None):
         """The deferred shards at `indices` (all when None) become their masters' .grad, the
-        current stream ordered after their reductions first."""
+        current stream ordered after their reductions first; those for which raw(index) is
+        true are returned uncast instead, {index: output}, to be stepped with the factor
+        `unscale`."""
         todo = list(self._deferred) if indices is None else [i for i in indices if i in self._deferred]
         if not todo:
-            return
+            return {}
         self._order(todo)
+        kept = {i: self._deferred.pop(i) for i in todo if raw is not None and raw(i)}
         shards = self._st.shards
-        self.take_grads([(shards[i], [self._deferred.pop(i)], False) for i in todo])
+        self.take_grads([(shards[i], [self._deferred.pop(i)], False) for i in todo if i not in kept])
+        return kept
+
+    @property
+    def unscale(self):
+        return self._unscale
 
     def no_grad(self, s):
         # grad None: the inner optimizer skips the parameter (no weight decay, no momentum).
@@ -121,7 +129,7 @@ class MasterSource:
 class DeviceStep:
     """StepStrategy of the master shards on the parameters' device."""
 
-    def __init__(self, storage, optimizer, downcast, fused_step, step_chunk_bytes=0):
+    def __init__(self, storage, optimizer, downcast, fused_step, step_chunk_bytes=0, master_adam=False):
         self._st = storage
         self._optimizer = optimizer
         self._fused = fused_step  # Adam/AdamW left to its default kernel: the fused one (core/fused.py)
@@ -129,7 +137,7 @@ class DeviceStep:
         self.gatherer = ParamGatherer(storage, MasterSource(storage), downcast)
         # The step in chunks, in the order of the reductions; at stages 1-2 each chunk's
         # gather under the next one's step.
-        self.chunked = ChunkedStep(storage, optimizer, step_chunk_bytes)
+        self.chunked = ChunkedStep(storage, optimizer, step_chunk_bytes, master_adam)
         if fused_step:
             fused.prefer_fused(optimizer)
 

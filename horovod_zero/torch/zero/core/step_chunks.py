@@ -30,15 +30,18 @@ fused AdamW, then 6 ms of gathers with the GPU's compute idle). In chunks they o
   a closure, a subclass or a differentiable group is stepped whole (adam_subset.
   steps_piecewise), after every gradient is cast."""
 
+from horovod_zero.torch.zero.core import master_adam
 from horovod_zero.torch.zero.core.adam_subset import adam_step, steps_piecewise
 
 
 class ChunkedStep:
-    def __init__(self, storage, optimizer, chunk_bytes):
+    def __init__(self, storage, optimizer, chunk_bytes, use_master_adam=False):
         self._st = storage
         self._optimizer = optimizer
+        self._master_adam = use_master_adam and master_adam.available(storage.param_device)
         self._chunk_numel = chunk_bytes // 4  # fp32 master elements
         self.chunks_last_step = 0  # for tests and stats: 0 when the last step ran whole
+        self.uncast_last_step = 0  # shards the last step stepped from uncast gradients (master_adam)
 
     def applies(self, closure):
         """Whether step(closure) is stepped in chunks: more than one chunk to make."""
@@ -67,15 +70,25 @@ class ChunkedStep:
         deferred gradients from `sink` first and calling publish(indices) after it; then the
         inner optimizer's step()."""
         masters, shards, groups = self._st.master_params, self._st.shards, self._optimizer.param_groups
-        self.chunks_last_step = 0
+        # CUDA: torch's fused Adam groups step from the reduced gradients uncast (core/master_adam.py).
+        direct = [self._master_adam and master_adam.fits(g) for g in groups]
+        self.chunks_last_step = self.uncast_last_step = 0
         for chunk in self._chunks(sink.deferred):
-            sink.take_deferred(chunk)
+            raw = sink.take_deferred(chunk, raw=lambda i: direct[shards[i].group])
             by_group = {}
             for i in chunk:
-                if masters[i].grad is not None:
-                    by_group.setdefault(shards[i].group, []).append(masters[i])
-            for k, params in by_group.items():
-                adam_step(self._optimizer, groups[k], params)
+                if masters[i].grad is not None or i in raw:
+                    by_group.setdefault(shards[i].group, []).append(i)
+            for k, indices in by_group.items():
+                params = [masters[i] for i in indices]
+                uncast = [i for i in indices if i in raw]
+                if uncast:
+                    self.uncast_last_step += len(uncast)
+                    master_adam.step(self._optimizer, groups[k], [masters[i] for i in uncast],
+                                     [raw.pop(i) for i in uncast], sink.unscale)
+                cast = [m for m in params if m.grad is not None]
+                if cast:
+                    adam_step(self._optimizer, groups[k], cast)
                 for m in params:
                     m.grad = None  # stepped (and freed early); a chunk that raised keeps them
             publish(chunk)

@@ -1,0 +1,37 @@
+// Adam/AdamW on fp32 master shards whose gradients are still in the reduction's dtype:
+// one pass reads the bf16/fp16 gradient where torch's fused kernel needs an fp32 copy
+// made first (a cast kernel that reads 2 and writes 4 bytes per element, then the step
+// reads those 4 again). The update is torch's fused Adam's, in fp32.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/types.h"
+
+namespace hvdz {
+
+struct MasterAdamDesc {
+  float* param;
+  const void* grad;  // the dtype given to LaunchMasterAdam
+  float* exp_avg;
+  float* exp_avg_sq;
+  const float* step;  // the step count, already incremented for this step
+  int64_t count;
+};
+
+struct MasterAdamHyper {
+  float lr, beta1, beta2, eps, weight_decay;
+  bool decoupled;  // AdamW's weight decay (on the parameter), else Adam's (on the gradient)
+  bool maximize;
+  float grad_scale;  // each gradient is multiplied by it first (unscaling, clipping)
+};
+
+// Supported gradient dtypes: float16, bfloat16, float32.
+bool MasterAdamSupported(DataType grad);
+
+cudaError_t LaunchMasterAdam(const MasterAdamDesc* descs, int n, DataType grad, const MasterAdamHyper& h,
+                             cudaStream_t stream);
+
+}  // namespace hvdz

@@ -1,0 +1,46 @@
+"""Adam/AdamW on fp32 master shards straight from their reduced bf16/fp16 gradients, on
+CUDA (csrc/cuda/master_adam.cu): torch's fused kernel needs fp32 gradients, so a cast
+kernel (read 2, write 4 bytes per element) ran before it, and the step read the 4 bytes
+again. This kernel reads the 2 bytes once: 26 bytes per element moved instead of 34,
+at the HBM bound. The update is torch's fused Adam's, in fp32: results agree with it to
+fp32 rounding, not bit for bit. Used for groups that step with torch's fused kernel
+(fused=True, which ZeRO sets where foreach was left unset: core/fused.py), without
+amsgrad or capturable, with a float lr (HOROVOD_ZERO_MASTER_ADAM=0: torch's kernel)."""
+
+import torch
+
+from horovod_zero import _core
+
+
+def available(device):
+    return device.type == "cuda" and getattr(_core, "HAVE_MASTER_ADAM", False)
+
+
+def fits(group):
+    """Whether this group's step is the one the kernel makes: torch's fused Adam/AdamW."""
+    return bool(group.get("fused")) and not group.get("amsgrad") and not group.get("capturable") \
+        and not group.get("differentiable") and not torch.is_tensor(group["lr"])
+
+
+def step(optimizer, group, params, grads, grad_scale=1.0):
+    """Steps `params` (masters of `group`, .grad None) with `grads` (their reduced
+    gradients, one dtype) times `grad_scale`, on the optimizer's own state."""
+    state = optimizer.state
+    fresh = [p for p in params if not state.get(p)]
+    if fresh:  # the state made by the optimizer's own _init_group, as its step would make it
+        for p in fresh:
+            p.grad = torch.zeros((), dtype=p.dtype, device=p.device).expand_as(p)
+        try:
+            optimizer._init_group(dict(group, params=fresh), [], [], [], [], [], [])
+        finally:
+            for p in fresh:
+                p.grad = None
+    steps = [state[p]["step"] for p in params]
+    torch._foreach_add_(steps, 1)  # as torch's fused Adam does before its kernel
+    beta1, beta2 = group["betas"]
+    _core.master_adam_step([p.detach() for p in params], grads, [state[p]["exp_avg"] for p in params],
+                           [state[p]["exp_avg_sq"] for p in params], steps, lr=float(group["lr"]),
+                           beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                           weight_decay=float(group["weight_decay"]),
+                           decoupled=bool(group["decoupled_weight_decay"]), maximize=bool(group["maximize"]),
+                           grad_scale=float(grad_scale))
