@@ -96,12 +96,13 @@ def test_a_step_pre_hook_runs_before_a_step_made_whole(two_ranks):
         assert unchanged  # the pre-hook's lr=0 reached every shard's update
 
 
-def _order_of_the_step(stage):
+def _order_of_the_step(stage, overlap):
     """The shards whose gradients the step takes late, in the order it takes them, and
     the order their reductions were submitted in (each parameter a bucket of its own)."""
     model = mlp()
     with scoped_env(HOROVOD_ZERO_STEP_CHUNK_BYTES=64, HOROVOD_ZERO_BUCKET_BYTES=1):
-        opt = hvd.DistributedZeroOptimizer(adamw(model.named_parameters()), model=model, stage=stage)
+        opt = hvd.DistributedZeroOptimizer(adamw(model.named_parameters()), model=model, stage=stage,
+                                           overlap_param_gather=overlap)
     sink, reducer = opt._step.sink, opt._reducer
     taken, submitted = [], []
     take, submit = sink.take_deferred, reducer._submit
@@ -121,10 +122,13 @@ def _order_of_the_step(stage):
     return taken, submitted, len(opt._storage.shards)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_the_step_takes_the_gradients_in_the_order_they_were_reduced(two_ranks, stage):
-    for taken, submitted, n in two_ranks.run(_order_of_the_step, stage):
-        assert sorted(taken) == list(range(n)) and taken == submitted, (taken, submitted)
+@pytest.mark.parametrize("stage,overlap", [(1, False), (2, False), (3, False), (2, True)],
+                         ids=["stage1", "stage2", "stage3", "stage2-overlap-gather"])
+def test_the_step_takes_the_gradients_in_the_order_they_were_reduced(two_ranks, stage, overlap):
+    for taken, submitted, n in two_ranks.run(_order_of_the_step, stage, overlap):
+        assert sorted(taken) == list(range(n)) and sorted(submitted) == list(range(n)), (taken, submitted)
         # Stage 1 reduces every gradient at step(), in the parameters' order; stages 2 and 3
-        # as backward makes them, the last layer's first.
-        assert (taken == list(range(n))) == (stage == 1), taken
+        # as backward makes them, the last layer's first. With overlap_param_gather the step
+        # goes in the parameters' order, the order of the next forward.
+        assert taken == (list(range(n)) if overlap else submitted), (taken, submitted)
+        assert (submitted == list(range(n))) == (stage == 1), submitted

@@ -186,7 +186,9 @@ class DeviceStep:
         try:
             if self.chunked.applies(closure):
                 # Stage 3 publishes once, after the step: its parameters are gathered at the next forward.
-                return self.chunked.step(self.sink, (lambda indices: None) if self._st.sharded_params else publish)
+                if self._st.sharded_params:
+                    return self.chunked.step(self.sink, lambda indices: None)
+                return self.chunked.step(self.sink, publish, forward_order=overlap)
             self.chunked.chunks_last_step = 0
             self._take_deferred()
             return self._optimizer.step(closure)

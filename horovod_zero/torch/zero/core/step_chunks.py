@@ -13,7 +13,9 @@ fused AdamW, then 6 ms of gathers with the GPU's compute idle). In chunks they o
   and step. Chunks go in the order the reductions were submitted, so the shards
   reduced first are stepped while the last reductions (the embedding's, at the end of
   backward) still run. At stage 1, where every reduction starts at step(), the step of
-  one chunk runs beside the reductions of the next.
+  one chunk runs beside the reductions of the next. With overlap_param_gather the
+  chunks go in the parameters' order instead: the next forward's first layers wait
+  only for the first gathers, and the rest run under their compute.
 - At stages 1 and 2 each chunk's allgather is queued after its step: what is left
   exposed is about one chunk's gather. Stage 3 gathers at the next forward.
 - Same values: each chunk is torch's own update of its parameters (core/adam_subset.py),
@@ -50,11 +52,12 @@ class ChunkedStep:
         total = sum(s.shard for s in self._st.shards)
         return total > self._chunk_numel and steps_piecewise(self._optimizer)
 
-    def _chunks(self, deferred):
+    def _chunks(self, deferred, forward_order):
         """Whole shards, those whose gradient is already cast (or absent) first, then the
-        `deferred` ones in the order they were reduced."""
-        late = set(deferred)
-        order = [s.index for s in self._st.shards if s.index not in late] + deferred
+        `deferred` ones in the order they were reduced; `forward_order`: all in the
+        parameters' order instead."""
+        late = set() if forward_order else set(deferred)
+        order = [s.index for s in self._st.shards if s.index not in late] + ([] if forward_order else deferred)
         chunk, numel = [], 0
         for i in order:
             chunk.append(i)
@@ -65,15 +68,17 @@ class ChunkedStep:
         if chunk:
             yield chunk
 
-    def step(self, sink, publish):
+    def step(self, sink, publish, forward_order=False):
         """Steps every master shard that has a gradient, chunk by chunk, taking each chunk's
         deferred gradients from `sink` first and calling publish(indices) after it; then the
-        inner optimizer's step()."""
+        inner optimizer's step(). `forward_order` (overlap_param_gather): in the parameters'
+        order, so that the first layers' gathers, which the next forward waits for first,
+        are queued first."""
         masters, shards, groups = self._st.master_params, self._st.shards, self._optimizer.param_groups
         # CUDA: torch's fused Adam groups step from the reduced gradients uncast (core/master_adam.py).
         direct = [self._master_adam and master_adam.fits(g) for g in groups]
         self.chunks_last_step = self.uncast_last_step = 0
-        for chunk in self._chunks(sink.deferred):
+        for chunk in self._chunks(sink.deferred, forward_order):
             raw = sink.take_deferred(chunk, raw=lambda i: direct[shards[i].group])
             by_group = {}
             for i in chunk:
