@@ -4,6 +4,7 @@
 #include "master_adam.h"
 
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <string>
@@ -62,6 +63,10 @@ void Step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& 
   const MasterAdamHyper h{static_cast<float>(lr),   static_cast<float>(beta1),        static_cast<float>(beta2),
                           static_cast<float>(eps),  static_cast<float>(weight_decay), decoupled,
                           maximize,                 static_cast<float>(grad_scale)};
+  // The launch goes to the current device: where the caller's is another (a rank that never
+  // called set_device), its stream handle, the legacy default stream, would name that
+  // device's stream, and the kernel would race the work queued on the tensors' device.
+  const c10::cuda::CUDAGuard on(device);
   auto stream = static_cast<cudaStream_t>(CurrentCudaStream(device.index()));
   const cudaError_t e = LaunchMasterAdam(descs.data(), static_cast<int>(n), grad_type, h, stream);
   if (e != cudaSuccess) throw std::runtime_error(std::string("master_adam_step: ") + cudaGetErrorString(e));

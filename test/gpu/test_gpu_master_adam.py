@@ -61,3 +61,23 @@ def test_master_adam_names_what_is_wrong():
         _core.master_adam_step([p], [torch.zeros(16, device="cuda")[::2]], [p.clone()], [p.clone()], [step], **ok)
     with pytest.raises(ValueError, match="CUDA"):
         _core.master_adam_step([p.cpu()], [p.cpu()], [p.cpu()], [p.cpu()], [step.cpu()], **ok)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU")
+def test_master_adam_runs_on_the_tensors_device_whatever_the_current_one():
+    """Tensors on cuda:1 while cuda:0 is current: the step is queued on cuda:1's stream,
+    behind the work that made its gradients (a launch on cuda:0 would race it)."""
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 1)
+    p = torch.randn(1 << 22, device=dev)
+    ref, m, v, m_ref, v_ref = p.clone(), *[torch.zeros_like(p) for _ in range(4)]
+    steps, steps_ref = torch.ones((), device=dev), torch.ones((), device=dev)
+    a = torch.randn(2048, 2048, device=dev)
+    for _ in range(3):
+        g = (a @ a).flatten()[:p.numel()].mul_(1e-3)  # made on cuda:1's stream just before the step
+        _core.master_adam_step([p], [g], [m], [v], [steps], lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                               weight_decay=0.0, decoupled=True, maximize=False, grad_scale=1.0)
+        torch._fused_adamw_([ref], [g], [m_ref], [v_ref], [], [steps_ref], amsgrad=False, maximize=False,
+                            lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+        torch._foreach_add_([steps, steps_ref], 1)
+    torch.testing.assert_close(p, ref, rtol=2e-6, atol=1e-7)
