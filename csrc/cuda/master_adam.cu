@@ -36,10 +36,9 @@ __device__ __forceinline__ void Update(float& p, float g, float& m, float& v, co
                                        float step_size, float bias_correction2_sqrt) {
   g *= h.grad_scale;
   if (h.maximize) g = -g;
-  if (h.decoupled) {
-    p -= h.lr * h.weight_decay * p;
-  } else if (h.weight_decay != 0.f) {
-    g += p * h.weight_decay;
+  if (h.weight_decay != 0.f) {  // as torch: with no decay an inf parameter stays inf, not NaN
+    if (h.decoupled) p -= h.lr * h.weight_decay * p;
+    else g += p * h.weight_decay;
   }
   m = h.beta1 * m + (1.f - h.beta1) * g;
   v = h.beta2 * v + (1.f - h.beta2) * g * g;

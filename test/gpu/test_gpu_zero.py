@@ -45,8 +45,9 @@ def test_zero_on_cuda_matches_the_reference(gpus, stage, mode):
 @pytest.mark.parametrize("master_adam", [False, True], ids=["cast", "uncast"])
 def test_the_step_in_chunks_on_cuda_gives_the_whole_steps_values(gpus, stage, kwargs, master_adam):
     """With torch's fused AdamW after the cast, chunk by chunk: bit for bit. From the uncast
-    bf16 gradients (csrc/cuda/master_adam.cu, unless clipping cast them): torch's update
-    to fp32 rounding."""
+    reduced gradients (csrc/cuda/master_adam.cu; fp32 for this fp32 model, and clipping
+    would cast them, so that variant does not clip): torch's update to fp32 rounding. The
+    kernel on bf16/fp16 gradients: test_gpu_master_adam.py."""
     clip = None if master_adam else 0.05
     for whole_chunks, n_chunks, same, diff, err in gpus.run(chunks._chunked_against_whole, stage, clip, kwargs,
                                                             "cuda", master_adam):

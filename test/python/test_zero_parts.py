@@ -421,9 +421,17 @@ def _rs_stats():
     return sum(s["collectives"] for s in stats), sum(s["tensors"] for s in stats)
 
 
+def _finish(red, sink, unscale=1.0):
+    """GradReducer.finish(), then what the step does first: the sink casts the deferred
+    shards it was handed (MasterGrads keeps them uncast until the step reads them)."""
+    red.finish(unscale)
+    sink.take_deferred()
+
+
 def _reduced(eager, passes, bpps, bucket_bytes, unscale, coalesce):
     st, params, _ = _build()
-    red = GradReducer(st, MasterGrads(st), eager, bpps, None, bucket_bytes)
+    sink = MasterGrads(st)
+    red = GradReducer(st, sink, eager, bpps, None, bucket_bytes)
     red.extend(len(params))
     hvd.collective_stats(reset=True)
     if coalesce:
@@ -436,7 +444,7 @@ def _reduced(eager, passes, bpps, bucket_bytes, unscale, coalesce):
         for k in range(passes):
             _backward(params, red, k, eager)
         in_block, busy = None, red.busy
-    red.finish(unscale)
+    _finish(red, sink, unscale)
     out = {"in_block": in_block, "busy_before_finish": busy, "busy_after_finish": red.busy,
            "rs_tensors": _rs_stats()[1], "full_grads_left": [p.grad is not None for p in params],
            "grads": [None if m.grad is None else _values(m.grad) for m in st.master_params]}
@@ -502,10 +510,10 @@ def _outputs_alive_at_each_take(eager, take_bytes):
     sink.take_grads = recording
     # Reduced in bf16: the sink makes an fp32 copy (an fp32 output would be the .grad itself).
     red = GradReducer(st, sink, eager, 1, torch.bfloat16, 1)
-    red.TAKE_BYTES = take_bytes
+    red.TAKE_BYTES = sink.TAKE_BYTES = take_bytes
     red.extend(len(params))
     _backward(params, red, 0, eager)
-    red.finish(1.0)
+    _finish(red, sink)
     assert all(p.grad is None for p in params)
     return alive, [m.grad.dtype for m in st.master_params if m.grad is not None]
 
@@ -530,12 +538,13 @@ def _reduced_every_pass(passes):
     makes fewer reductions of it than the others (zero.grad.<i>.<k> names the k-th), and
     the others then wait for the missing one forever."""
     st, params, _ = _build()
-    red = GradReducer(st, MasterGrads(st), True, 1, None, 1)
+    sink = MasterGrads(st)
+    red = GradReducer(st, sink, True, 1, None, 1)
     red.extend(len(params))
     hvd.collective_stats(reset=True)
     for k in range(passes):
         _backward(params, red, k, True, has=_everywhere)
-    red.finish(1.0)
+    _finish(red, sink)
     return _rs_stats()[1], [None if m.grad is None else _values(m.grad) for m in st.master_params]
 
 
@@ -555,7 +564,8 @@ def test_reducer_stage2_reduces_every_pass_and_the_sink_sums_the_reductions(rank
 
 def _discarded(eager, bpps):
     st, params, _ = _build()
-    red = GradReducer(st, MasterGrads(st), eager, bpps, None, 1)
+    sink = MasterGrads(st)
+    red = GradReducer(st, sink, eager, bpps, None, 1)
     red.extend(len(params))
     # Dropped: zero_grad() before step(). Every rank has gradients for the parameters
     # submitted here: one submitted by some ranks only would leave their discard() waiting
@@ -568,7 +578,7 @@ def _discarded(eager, bpps):
     hvd.collective_stats(reset=True)
     for k in range(bpps):
         _backward(params, red, k, eager)
-    red.finish(1.0)
+    _finish(red, sink)
     first = [None if m.grad is None else _values(m.grad) for m in st.master_params]
     tensors = _rs_stats()[1]
     # The next step, as the optimizer runs it after step() and zero_grad().
@@ -577,7 +587,7 @@ def _discarded(eager, bpps):
         m.grad = None
     for k in range(bpps):
         _backward(params, red, k, eager)
-    red.finish(1.0)
+    _finish(red, sink)
     second = [None if m.grad is None else _values(m.grad) for m in st.master_params]
     return busy_after_discard, tensors, first, second
 
@@ -603,7 +613,8 @@ def _bucket_collectives(bucket_bytes, count):
     params = [torch.nn.Parameter(make(r, (BUCKET_NUMEL,), "float32", seed=i)) for i in range(count)]
     st = ShardedStorage(hybrid.full_sharding(), CPU, CPU, None, None, False)
     st.add_groups([{"params": params}], 0, None)
-    red = GradReducer(st, MasterGrads(st), True, 1, None, bucket_bytes)
+    sink = MasterGrads(st)
+    red = GradReducer(st, sink, True, 1, None, bucket_bytes)
     red.extend(count)
     hvd.collective_stats(reset=True)
     after_each = []
@@ -612,7 +623,7 @@ def _bucket_collectives(bucket_bytes, count):
         red.on_grad_ready(p)
         hvd.barrier()
         after_each.append(_rs_stats()[0])
-    red.finish(1.0)
+    _finish(red, sink)
     return after_each, _rs_stats(), [_values(m.grad) for m in st.master_params]
 
 
@@ -706,7 +717,7 @@ def _stepped(max_norm, bad):
     red = GradReducer(st, step.sink, True, 1, None, 1 << 20)
     red.extend(len(params))
     _backward(params, red, 0, True, bad=float(bad) if bad else None)
-    red.finish(1.0)
+    _finish(red, step.sink)
     local_finite = all(bool(torch.isfinite(m.grad).all()) for m in st.master_params if m.grad is not None)
     found = step.found_inf()
     norm = step.clip(max_norm, red.order_after) if not bad else None

@@ -5,6 +5,7 @@ reference's weights, and LR schedulers and step hooks that see every step. CPU r
 HOROVOD_ZERO_STEP_CHUNK_BYTES=64 makes a chunk of each parameter or two."""
 
 import contextlib
+import types
 
 import pytest
 import torch
@@ -59,7 +60,7 @@ def _chunked_against_whole(stage, clip, kwargs, device="cpu", master_adam=True):
                          ids=["stage1", "stage2", "stage2-clip", "stage2-overlap-gather", "stage3"])
 def test_the_step_in_chunks_gives_the_whole_steps_values_and_the_references(two_ranks, stage, clip, kwargs):
     for whole_chunks, chunks, same, _, err in two_ranks.run(_chunked_against_whole, stage, clip, kwargs):
-        assert whole_chunks == [(0, 0)] * STEPS and all(c >= 3 and not u for c, u in chunks), (whole_chunks, chunks)
+        assert whole_chunks == [(0, 0)] * STEPS and all(c >= 3 for c, _ in chunks), (whole_chunks, chunks)
         assert all(same), same  # weights and exp_avg, exp_avg_sq: bit for bit
         assert err < 1e-5, err
 
@@ -132,3 +133,81 @@ def test_the_step_takes_the_gradients_in_the_order_they_were_reduced(two_ranks, 
         # goes in the parameters' order, the order of the next forward.
         assert taken == (list(range(n)) if overlap else submitted), (taken, submitted)
         assert (submitted == list(range(n))) == (stage == 1), submitted
+
+
+@contextlib.contextmanager
+def _stand_in_kernel():
+    """CPU ranks have no CUDA kernel (csrc/cuda/master_adam.cu): torch's fused Adam on the
+    cast gradients stands in for it, behind the same one-dtype rule, so that the uncast
+    path's plumbing (which shards it takes, their state and step counts) runs here.
+    test/gpu/test_gpu_master_adam.py checks the kernel itself against torch's."""
+    from horovod_zero.torch.zero.core import master_adam
+    calls = []
+
+    def step(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay, decoupled, maximize,
+             grad_scale):
+        assert len({g.dtype for g in grads}) == 1, [g.dtype for g in grads]
+        calls.append(len(params))
+        fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
+        fused(params, [g.float() * grad_scale for g in grads], exp_avgs, exp_avg_sqs, [], steps, amsgrad=False,
+              maximize=maximize, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    saved = master_adam.available, master_adam._core
+    master_adam.available = lambda device: True
+    master_adam._core = types.SimpleNamespace(master_adam_step=step, HAVE_MASTER_ADAM=True)
+    try:
+        yield calls
+    finally:
+        master_adam.available, master_adam._core = saved
+
+
+class _Mixed(torch.nn.Module):
+    """A bf16 layer and an fp32 one in one param group: gradients of two dtypes in a chunk."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(16, 33).to(torch.bfloat16)
+        self.b = torch.nn.Linear(33, 7)
+
+    def forward(self, x):
+        return self.b(self.a(x.bfloat16()).float())
+
+
+def _uncast_run(stage, uncast, whole_first, mixed):
+    """Three steps; `whole_first`: the first runs whole (a step pre-hook), and the second
+    follows without zero_grad(), as loops that zero after step() do."""
+    model = _Mixed() if mixed else mlp()
+    with _stand_in_kernel() if uncast else contextlib.nullcontext() as calls, \
+            scoped_env(HOROVOD_ZERO_STEP_CHUNK_BYTES=64 if not mixed else 1200, HOROVOD_ZERO_MASTER_ADAM=int(uncast)):
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2) if mixed else adamw(model.named_parameters())
+        opt = hvd.DistributedZeroOptimizer(inner, model=model, stage=stage)
+        hook = opt.optimizer.register_step_pre_hook(lambda *a: None) if whole_first else None
+        n, r = hvd.size(), hvd.rank()
+        uncast_steps = []
+        for step in range(3):
+            x, y = batch(step, 0)
+            mse(model, rank_rows(x, r, n), rank_rows(y, r, n)).backward()
+            opt.step()
+            uncast_steps.append(opt._step.chunked.uncast_last_step)
+            if hook is not None:
+                hook.remove()
+                hook = None
+            else:
+                opt.zero_grad()
+        opt.wait_for_params()
+        with opt.gathered_params() if stage == 3 else contextlib.nullcontext():
+            weights = [p.detach().float().clone() for p in model.parameters()]
+        counts = sorted({float(st["step"]) for st in opt.optimizer.state.values()})
+        return weights, counts, uncast_steps, list(calls or [])
+
+
+@pytest.mark.parametrize("stage,whole_first,mixed", [(2, False, False), (3, False, False), (2, True, False),
+                                                     (2, False, True)],
+                         ids=["stage2", "stage3", "stage2-whole-then-no-zero-grad", "stage2-bf16-and-fp32-in-a-group"])
+def test_the_uncast_path_steps_each_shard_once_as_the_cast_path_does(two_ranks, stage, whole_first, mixed):
+    cast = two_ranks.run(_uncast_run, stage, False, whole_first, mixed)
+    uncast = two_ranks.run(_uncast_run, stage, True, whole_first, mixed)
+    for (w0, counts0, u0, _), (w1, counts1, u1, calls) in zip(cast, uncast):
+        assert not any(u0) and u1[-1] > 0 and calls, (u0, u1, calls)
+        assert counts0 == counts1 == [3.0], (counts0, counts1)  # every shard stepped once a step
+        assert all(torch.equal(a, b) for a, b in zip(w0, w1))  # the stand-in is torch's own kernel

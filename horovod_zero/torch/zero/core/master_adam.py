@@ -24,7 +24,13 @@ def fits(group):
 
 def step(optimizer, group, params, grads, grad_scale=1.0):
     """Steps `params` (masters of `group`, .grad None) with `grads` (their reduced
-    gradients, one dtype) times `grad_scale`, on the optimizer's own state."""
+    gradients) times `grad_scale`, on the optimizer's own state: one launch per gradient
+    dtype. Checked before any state changes, so a refusal leaves the step counts as they were."""
+    for p, g in zip(params, grads):
+        if g.device != p.device or g.numel() != p.numel() or not g.is_contiguous() \
+                or g.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"master_adam: a gradient ({g.dtype}, {tuple(g.shape)} on {g.device}) does not fit its "
+                             f"master shard ({p.numel()} elements on {p.device}); set HOROVOD_ZERO_MASTER_ADAM=0.")
     state = optimizer.state
     fresh = [p for p in params if not state.get(p)]
     if fresh:  # the state made by the optimizer's own _init_group, as its step would make it
@@ -35,12 +41,17 @@ def step(optimizer, group, params, grads, grad_scale=1.0):
         finally:
             for p in fresh:
                 p.grad = None
-    steps = [state[p]["step"] for p in params]
-    torch._foreach_add_(steps, 1)  # as torch's fused Adam does before its kernel
+    by_dtype = {}
+    for p, g in zip(params, grads):
+        by_dtype.setdefault(g.dtype, []).append((p, g))
     beta1, beta2 = group["betas"]
-    _core.master_adam_step([p.detach() for p in params], grads, [state[p]["exp_avg"] for p in params],
-                           [state[p]["exp_avg_sq"] for p in params], steps, lr=float(group["lr"]),
-                           beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                           weight_decay=float(group["weight_decay"]),
-                           decoupled=bool(group["decoupled_weight_decay"]), maximize=bool(group["maximize"]),
-                           grad_scale=float(grad_scale))
+    for pairs in by_dtype.values():
+        ps = [p for p, _ in pairs]
+        steps = [state[p]["step"] for p in ps]
+        torch._foreach_add_(steps, 1)  # as torch's fused Adam does before its kernel
+        _core.master_adam_step([p.detach() for p in ps], [g for _, g in pairs], [state[p]["exp_avg"] for p in ps],
+                               [state[p]["exp_avg_sq"] for p in ps], steps, lr=float(group["lr"]),
+                               beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                               weight_decay=float(group["weight_decay"]),
+                               decoupled=bool(group["decoupled_weight_decay"]), maximize=bool(group["maximize"]),
+                               grad_scale=float(grad_scale))

@@ -21,8 +21,9 @@ class GradSink(Protocol):
     # as soon as its reduction is queued on the GPU, with this stream ordered after it, and the
     # rest of the step's reductions are ordered on it too (None: handed over once done).
     early_stream: Optional["torch.cuda.Stream"]
-    # Takes the single reductions of a step by defer() at finish(), before the GPU is ordered
-    # after them, and orders it per shard when it reads them (the step in chunks).
+    # Takes the single reductions of a step by defer(items, order) at finish(), before the GPU
+    # is ordered after them: each (s, out) may be read only after order([s.index]) on the
+    # stream that reads it (core/step.py MasterGrads; the step in chunks).
     defers: bool
 
     def begin(self) -> None:
@@ -37,10 +38,6 @@ class GradSink(Protocol):
     def take_grads(self, items: List[Tuple[ParamShard, List[torch.Tensor], bool]]) -> None:
         """take_grad(s, outs, early=False, local) of each (s, outs, local), at step(): the
         sink may batch their work."""
-
-    def defer(self, items: List[Tuple[ParamShard, torch.Tensor]], order: Callable[[List[int]], None]) -> None:
-        """Each (s, out): shard s's one reduction of this step, whose output `out` may be
-        read only after order([s.index]) on the stream that reads it."""
 
     def no_grad(self, s: ParamShard) -> None:
         """No rank had a gradient for shard s this step."""

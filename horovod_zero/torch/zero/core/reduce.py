@@ -187,6 +187,9 @@ class GradReducer:
         """Reduce-scatters these taken (shard, gradient, dtype) as one group."""
         if not taken:
             return
+        # The last step's reductions no one read (no gradient anywhere, or a step that raised)
+        # are ordered first: a name is submitted again only once its last op has been queued.
+        self.order_shards(list(self._unordered))
         device = self._storage.param_device
         ins = [self._padded_grad(s, g, dtype, device) for s, g, dtype in taken]
         outs = [b.new_empty(s.shard) for b, (s, _, _) in zip(ins, taken)]
@@ -307,11 +310,12 @@ class GradReducer:
         # Popped, and handed over TAKE_BYTES at a time: the reduced outputs (param_dtype) are
         # freed as the sink takes them (MasterGrads makes fp32 .grad), so the two never all
         # exist at once, and the sink still casts many shards in one kernel.
-        batch, deferred, size = [], [], 0
+        batch, deferred, unread, size = [], [], [], 0
         for s, _ in trained:
             outs = outputs.pop(s.index)
             if not had[s.index]:
                 self._sink.no_grad(s)  # no rank had a gradient: the inner optimizer skips it, as torch would
+                unread.append(s.index)
             elif s.index in self._sunk and len(outs) == 1:
                 pass
             elif self._sink.defers and len(outs) == 1:
@@ -323,6 +327,10 @@ class GradReducer:
                     self._hand(batch)
                     batch, size = [], 0
         self._hand(batch)
+        # Outputs no one reads: ordered on the side stream (on the host: waited for), which
+        # the compute stream never waits on.
+        with torch.cuda.stream(self._release_stream) if self._release_stream is not None else contextlib.nullcontext():
+            self.order_shards(unread)
         if deferred:
             self._sink.defer(deferred, self.order_shards)
         else:

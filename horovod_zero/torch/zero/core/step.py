@@ -32,6 +32,8 @@ class MasterGrads:
     early_stream = None
     defers = True
 
+    TAKE_BYTES = 64 << 20  # deferred outputs cast at once, as GradReducer.TAKE_BYTES
+
     def __init__(self, storage):
         self._st = storage
         self._unscale = 1.0
@@ -45,6 +47,7 @@ class MasterGrads:
         self._unscale = factor
 
     def take_grad(self, s, outs, early, local=False):
+        self._deferred.pop(s.index, None)
         master = self._st.master_params[s.index]
         g = outs[0].to(device=master.device, dtype=torch.float32)  # no copy when already there
         for o in outs[1:]:
@@ -59,6 +62,7 @@ class MasterGrads:
         H200); the rest one by one."""
         cast = []
         for s, outs, local in items:
+            self._deferred.pop(s.index, None)
             master = self._st.master_params[s.index]
             if len(outs) == 1 and outs[0].dtype != torch.float32 and outs[0].device == master.device:
                 cast.append((master, outs[0]))
@@ -73,7 +77,9 @@ class MasterGrads:
             master.grad = g
 
     def defer(self, items, order):
-        self._deferred.update((s.index, out) for s, out in items)
+        """Each (s, out): shard s's one reduction of this step, its output `out` to be read
+        only after order([s.index]) (GradReducer.order_shards)."""
+        self._deferred = {s.index: out for s, out in items}  # nothing of an earlier step that raised
         self._order = order
 
     @property
@@ -83,16 +89,29 @@ class MasterGrads:
 
     def take_deferred(self, indices=None, raw=None):
         """The deferred shards at `indices` (all when None) become their masters' .grad, the
-        current stream ordered after their reductions first; those for which raw(index) is
-        true are returned uncast instead, {index: output}, to be stepped with the factor
-        `unscale`."""
+        current stream ordered after their reductions first, TAKE_BYTES of outputs cast at a
+        time and freed as they are (the two never all exist at once). Those for which
+        raw(index) is true are returned uncast instead, {index: output}, their masters'
+        .grad None, to be stepped with the factor `unscale`."""
         todo = list(self._deferred) if indices is None else [i for i in indices if i in self._deferred]
         if not todo:
             return {}
         self._order(todo)
-        kept = {i: self._deferred.pop(i) for i in todo if raw is not None and raw(i)}
-        shards = self._st.shards
-        self.take_grads([(shards[i], [self._deferred.pop(i)], False) for i in todo if i not in kept])
+        masters, shards = self._st.master_params, self._st.shards
+        kept = {}
+        batch, size = [], 0
+        for i in todo:
+            out = self._deferred.pop(i)
+            if raw is not None and raw(i):
+                kept[i] = out
+                masters[i].grad = None  # not a gradient left from an earlier step
+                continue
+            batch.append((shards[i], [out], False))
+            size += out.numel() * out.element_size()
+            if size >= self.TAKE_BYTES:
+                self.take_grads(batch)
+                batch, size = [], 0
+        self.take_grads(batch)
         return kept
 
     @property
@@ -101,6 +120,7 @@ class MasterGrads:
 
     def no_grad(self, s):
         # grad None: the inner optimizer skips the parameter (no weight decay, no momentum).
+        self._deferred.pop(s.index, None)
         self._st.master_params[s.index].grad = None
 
     def clear(self):

@@ -85,16 +85,15 @@ class ChunkedStep:
                 if masters[i].grad is not None or i in raw:
                     by_group.setdefault(shards[i].group, []).append(i)
             for k, indices in by_group.items():
-                params = [masters[i] for i in indices]
                 uncast = [i for i in indices if i in raw]
                 if uncast:
                     self.uncast_last_step += len(uncast)
                     master_adam.step(self._optimizer, groups[k], [masters[i] for i in uncast],
                                      [raw.pop(i) for i in uncast], sink.unscale)
-                cast = [m for m in params if m.grad is not None]
+                cast = [masters[i] for i in indices if i not in uncast]
                 if cast:
                     adam_step(self._optimizer, groups[k], cast)
-                for m in params:
+                for m in cast:
                     m.grad = None  # stepped (and freed early); a chunk that raised keeps them
             publish(chunk)
             self.chunks_last_step += 1
