@@ -19,7 +19,9 @@ fused AdamW, then 6 ms of gathers with the GPU's compute idle). In chunks they o
 - At stages 1 and 2 each chunk's allgather is queued after its step: what is left
   exposed is about one chunk's gather. Stage 3 gathers at the next forward.
 - Same values: each chunk is torch's own update of its parameters (core/adam_subset.py),
-  elementwise, with the group's kernel and hyperparameters at step().
+  elementwise, with the group's kernel and hyperparameters at step(). On CUDA, a group
+  that steps with torch's fused kernel is stepped from the uncast gradients instead
+  (core/master_adam.py): the same update to fp32 rounding, without the cast.
 - Ordering: the runtime records a gather's ready event on the caller's stream when it
   is enqueued, after its chunk's step and before the next chunk's, so the gather waits
   for its own chunk only.
