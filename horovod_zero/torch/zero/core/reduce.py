@@ -189,7 +189,8 @@ class GradReducer:
             return
         # The last step's reductions no one read (no gradient anywhere, or a step that raised)
         # are ordered first: a name is submitted again only once its last op has been queued.
-        self.order_shards(list(self._unordered))
+        if self._unordered:
+            self.order_shards(list(self._unordered))
         device = self._storage.param_device
         ins = [self._padded_grad(s, g, dtype, device) for s, g, dtype in taken]
         outs = [b.new_empty(s.shard) for b, (s, _, _) in zip(ins, taken)]
