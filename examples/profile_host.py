@@ -1,9 +1,13 @@
 """Where the host's time goes in a step: the 1.2B model at micro-batch 1 (the host sets the
-pace there), median step time, then cProfile of rank 0 over 10 steps.
+pace there). Per mode: the median step, the host time of each phase of a step run back to back
+(forward, backward, step, zero_grad: the time the call took to return), then, with
+HVDZ_CPROFILE=1, cProfile of rank 0 over 10 steps (the main thread only: backward's hooks run on
+autograd's thread, which a sampling profiler sees, e.g. py-spy record --native --threads).
 
     torchrun --nproc_per_node=2 examples/profile_host.py floor zero2 zero3
 """
 import cProfile
+import os
 import pstats
 import sys
 import time
@@ -14,51 +18,86 @@ import torch.nn.functional as F
 import horovod_zero.torch as hvd
 from llama_model import LLAMA_1B, Decoder
 
-hvd.init()
-dev = hvd.device()
-torch.cuda.set_device(dev)
-cfg = dict(LLAMA_1B)
-for mode in sys.argv[1:]:
+PHASES = ("forward", "backward", "step", "zero_grad")
+
+
+def build(mode, cfg, dev):
     torch.manual_seed(0)
     with torch.device(dev):
         m = Decoder(**cfg).to(torch.bfloat16)
-    x = torch.randint(0, cfg["vocab"], (1, cfg["seq"]), device=dev)
-    opt = None
-    if mode != "floor":
-        stage, flags = int(mode[4]), set(mode.split("+")[1:])
-        m.float()
-        opt = hvd.DistributedZeroOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-4, weight_decay=0.1), model=m,
-                                           stage=stage, param_dtype=torch.bfloat16, overlap_step="ostep" in flags,
-                                           reshard_root_after_forward=stage == 3)
+    if mode == "floor":
+        return m, None
+    stage, flags = int(mode[4]), set(mode.split("+")[1:])
+    m.float()
+    opt = hvd.DistributedZeroOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-4, weight_decay=0.1, fused=True),
+                                       model=m, stage=stage, param_dtype=torch.bfloat16,
+                                       overlap_step="ostep" in flags, reshard_root_after_forward=stage == 3)
+    return m, opt
 
+
+def make_step(m, opt, x, marks):
+    """One training step; appends the host time of each phase to marks."""
     def step():
-        F.cross_entropy(m(x).flatten(0, 1).float(), x.flatten()).backward()
+        t = [time.perf_counter()]
+        loss = F.cross_entropy(m(x).flatten(0, 1).float(), x.flatten())
+        t.append(time.perf_counter())
+        loss.backward()
+        t.append(time.perf_counter())
         if opt is not None:
             opt.step()
+            t.append(time.perf_counter())
             opt.zero_grad()
         else:
+            t.append(time.perf_counter())
             for p in m.parameters():
                 p.grad = None
+        t.append(time.perf_counter())
+        marks.append([b - a for a, b in zip(t, t[1:])])
+    return step
 
-    for _ in range(5):
-        step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(15):
-        t = time.perf_counter()
-        step()
+
+def main():
+    hvd.init()
+    dev = hvd.device()
+    torch.cuda.set_device(dev)
+    cfg = dict(LLAMA_1B)
+    for mode in sys.argv[1:]:
+        m, opt = build(mode, cfg, dev)
+        x = torch.randint(0, cfg["vocab"], (1, cfg["seq"]), device=dev)
+        marks = []
+        step = make_step(m, opt, x, marks)
+
+        for _ in range(5):
+            step()
         torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    if hvd.rank() == 0:
-        print(f"== {mode}: median {sorted(times)[7] * 1e3:.1f} ms")
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(10):
-        step()
-    torch.cuda.synchronize()
-    pr.disable()
-    if hvd.rank() == 0:
-        st = pstats.Stats(pr)
-        st.sort_stats("tottime").print_stats(22)
-    del opt, m
-    torch.cuda.empty_cache()
+        times = []
+        for _ in range(15):
+            t = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        marks.clear()
+        t = time.perf_counter()
+        for _ in range(20):
+            step()
+        torch.cuda.synchronize()
+        back_to_back = (time.perf_counter() - t) / 20
+        if hvd.rank() == 0:
+            phases = ", ".join(f"{p} {sorted(v)[10] * 1e3:.1f}" for p, v in zip(PHASES, zip(*marks)))
+            print(f"== {mode}: median {sorted(times)[7] * 1e3:.1f} ms, back to back {back_to_back * 1e3:.1f} ms; "
+                  f"host per phase (median, ms): {phases}", flush=True)
+        if os.environ.get("HVDZ_CPROFILE", "1") == "1":
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(10):
+                step()
+            torch.cuda.synchronize()
+            pr.disable()
+            if hvd.rank() == 0:
+                pstats.Stats(pr).sort_stats("tottime").print_stats(22)
+        del opt, m, step
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
