@@ -3,10 +3,13 @@ pace there). Per mode: the median step, the host time of each phase of a step ru
 (forward, backward, step, zero_grad: the time the call took to return), then, with
 HVDZ_CPROFILE=1, cProfile of rank 0 over 10 steps (the main thread only: backward's hooks run on
 autograd's thread, which a sampling profiler sees, e.g. py-spy record --native --threads).
+HVDZ_TIME_CALLS=1 times the ZeRO package's functions instead (host_calls.py): inclusive host
+time and calls per step, over 10 steps, for each mode but the floor.
 
     torchrun --nproc_per_node=2 examples/profile_host.py floor zero2 zero3
 """
 import cProfile
+import gc
 import os
 import pstats
 import sys
@@ -16,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import horovod_zero.torch as hvd
+from host_calls import instrument_zero
 from llama_model import LLAMA_1B, Decoder
 
 PHASES = ("forward", "backward", "step", "zero_grad")
@@ -61,6 +65,7 @@ def main():
     dev = hvd.device()
     torch.cuda.set_device(dev)
     cfg = dict(LLAMA_1B)
+    timer = instrument_zero() if os.environ.get("HVDZ_TIME_CALLS") == "1" else None
     for mode in sys.argv[1:]:
         m, opt = build(mode, cfg, dev)
         x = torch.randint(0, cfg["vocab"], (1, cfg["seq"]), device=dev)
@@ -77,6 +82,7 @@ def main():
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
         marks.clear()
+        torch.cuda.reset_peak_memory_stats(dev)
         t = time.perf_counter()
         for _ in range(20):
             step()
@@ -84,9 +90,17 @@ def main():
         back_to_back = (time.perf_counter() - t) / 20
         if hvd.rank() == 0:
             phases = ", ".join(f"{p} {sorted(v)[10] * 1e3:.1f}" for p, v in zip(PHASES, zip(*marks)))
-            print(f"== {mode}: median {sorted(times)[7] * 1e3:.1f} ms, back to back {back_to_back * 1e3:.1f} ms; "
+            print(f"== {mode}: median {sorted(times)[7] * 1e3:.1f} ms, back to back {back_to_back * 1e3:.1f} ms, "
+                  f"peak {torch.cuda.max_memory_allocated(dev) / 2**30:.2f} GiB; "
                   f"host per phase (median, ms): {phases}", flush=True)
-        if os.environ.get("HVDZ_CPROFILE", "1") == "1":
+        if timer is not None and opt is not None:
+            timer.reset()
+            for _ in range(10):
+                step()
+            torch.cuda.synchronize()
+            if hvd.rank() == 0:
+                print(f"== {mode}: host time per step by function (inclusive)\n{timer.table(10)}", flush=True)
+        elif os.environ.get("HVDZ_CPROFILE", "1") == "1":
             pr = cProfile.Profile()
             pr.enable()
             for _ in range(10):
@@ -96,6 +110,7 @@ def main():
             if hvd.rank() == 0:
                 pstats.Stats(pr).sort_stats("tottime").print_stats(22)
         del opt, m, step
+        gc.collect()  # the optimizer's hooks hold cycles: free this mode's memory before the next
         torch.cuda.empty_cache()
 
 

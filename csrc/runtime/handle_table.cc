@@ -50,7 +50,7 @@ Status HandleTable::WaitLaunchedUntil(int64_t handle, std::chrono::steady_clock:
   event->reset();
   auto it = states_.find(handle);
   if (it == states_.end()) return Unknown(handle);
-  *ready = cv_.wait_until(lk, deadline, [&] {
+  *ready = WaitFor(lk, deadline, [&] {
     const State& s = states_.at(handle);
     return s.done || s.event != nullptr;
   });
@@ -82,7 +82,7 @@ Status HandleTable::WaitUntil(int64_t handle, std::chrono::steady_clock::time_po
   *done = true;
   auto it = states_.find(handle);
   if (it == states_.end()) return Unknown(handle);
-  *done = cv_.wait_until(lk, deadline, [&] { return states_.at(handle).done; });
+  *done = WaitFor(lk, deadline, [&] { return states_.at(handle).done; });
   return *done ? states_.at(handle).status : Status::OK();
 }
 

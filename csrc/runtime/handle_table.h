@@ -40,6 +40,16 @@ class HandleTable {
   std::shared_ptr<void> Release(int64_t handle);
 
  private:
+  // cv_.wait_until, except that a deadline already past only checks `ready`: a timed wait
+  // sleeps for the kernel's timer slack (50 us) even then, and a poll (deadline now) of an
+  // op not launched yet cost that per handle.
+  template <class Ready>
+  bool WaitFor(std::unique_lock<std::mutex>& lk, std::chrono::steady_clock::time_point deadline, Ready ready) {
+    if (ready()) return true;
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    return cv_.wait_until(lk, deadline, ready);
+  }
+
   struct State {
     bool done = false;
     Status status;

@@ -53,6 +53,30 @@ TEST(HandleTable, WaitLaunchedReportsAFailureBeforeLaunch) {
   EXPECT_FALSE(t.WaitLaunchedUntil(h, Clock::now() + kShort, &ready, &ev).ok());  // unknown now
 }
 
+TEST(HandleTable, APollWithAPastDeadlineStillSeesALaunchedOrDoneOp) {
+  // TryLetGoAll and TryWaitStream poll with the deadline `now`, which has passed by the check.
+  HandleTable t;
+  int64_t h = t.Allocate();
+  const auto past = Clock::now() - std::chrono::seconds(1);
+  bool ready = true, done = true;
+  std::shared_ptr<void> ev;
+  ASSERT_TRUE(t.WaitLaunchedUntil(h, past, &ready, &ev).ok());
+  EXPECT_FALSE(ready);
+  ASSERT_TRUE(t.WaitUntil(h, past, &done).ok());
+  EXPECT_FALSE(done);
+  auto event = std::make_shared<int>(5);
+  t.MarkLaunched(h, event);
+  ASSERT_TRUE(t.WaitLaunchedUntil(h, past, &ready, &ev).ok());
+  EXPECT_TRUE(ready);
+  EXPECT_EQ(ev, event);
+  ASSERT_TRUE(t.WaitUntil(h, past, &done).ok());
+  EXPECT_FALSE(done);
+  t.MarkDone(h, Status::Aborted("peer lost"), nullptr);
+  EXPECT_FALSE(t.WaitUntil(h, past, &done).ok());
+  EXPECT_TRUE(done);
+  t.Release(h);
+}
+
 TEST(HandleTable, TheEventLivesUntilTheHandleIsDoneOrReleased) {
   HandleTable t;
   int64_t h = t.Allocate();
