@@ -3,6 +3,8 @@ a model with a ModuleList of blocks, an embedding tied to the output head, a
 frozen parameter, a block called twice per forward and a block run on some steps
 only."""
 
+import collections
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -447,3 +449,57 @@ def test_stage3_takes_a_model_without_a_module_list(ranks, kind, units):
     for n_units, errs in ranks.run(_any_model, kind):
         assert n_units == units
         assert max(errs) < 1e-5, errs
+
+
+Pair = collections.namedtuple("Pair", "x y")
+
+
+def _trees(a, b, frozen):
+    return {
+        "output": a,
+        "output without grad": frozen,
+        "args": ((a, None, 3, frozen), {}),
+        "args and kwargs": ((a,), {"mask": b, "scale": 0.5, "name": "x", "flag": True}),
+        "no grad anywhere": ((frozen, 2), {"m": None}),
+        "nested (pytree)": (([a, (b,)],), {}),
+        "namedtuple (pytree)": ((Pair(a, b),), {}),
+        "dict output (pytree)": {"h": a, "aux": frozen},
+    }
+
+
+@pytest.mark.parametrize("case", list(_trees(0, 0, 0)))
+def test_unit_hooks_pass_any_input_or_output_tree_through_as_pytree_would(case, monkeypatch):
+    """The unit hooks' shortcut for plain trees (one tensor; args and kwargs of leaves)
+    gives what the pytree path gives: the same structure, the same values, each tensor that
+    needs grad behind one node whose backward calls the hook once, gradients unchanged."""
+    from horovod_zero.torch.zero.stage3 import hooks
+
+    def run(shortcut):
+        a = torch.arange(4.0, requires_grad=True)
+        b = torch.ones(4, requires_grad=True)
+        tree = _trees(a, b, torch.zeros(4))[case]
+        calls = []
+        with monkeypatch.context() as m:
+            if not shortcut:
+                m.setattr(hooks, "_simple_through", lambda *_: hooks._NOT_SIMPLE)
+            out = hooks._through(lambda: calls.append(1), tree)
+        if out is None:
+            return None, calls, None
+        leaves, spec = hooks.tree_flatten(out)
+        grad_leaves = [t for t in leaves if torch.is_tensor(t) and t.requires_grad]
+        assert all(t is not a and t is not b for t in grad_leaves)  # passed through the node
+        sum((t * (k + 1)).sum() for k, t in enumerate(grad_leaves)).backward()
+        values = [t.detach().clone() if torch.is_tensor(t) else t for t in leaves]
+        return (spec, values), calls, (a.grad, b.grad)
+
+    fast, fast_calls, fast_grads = run(True)
+    slow, slow_calls, slow_grads = run(False)
+    assert (fast is None) == (slow is None) == (case in ("output without grad", "no grad anywhere"))
+    if fast is None:
+        return
+    assert fast[0] == slow[0]
+    assert len(fast[1]) == len(slow[1]) and all(
+        torch.equal(x, y) if torch.is_tensor(x) else x == y for x, y in zip(fast[1], slow[1]))
+    assert fast_calls == slow_calls == [1]
+    for x, y in zip(fast_grads, slow_grads):
+        assert (x is None and y is None) or torch.equal(x, y)
