@@ -289,8 +289,11 @@ class PyRuntime {
   // once the op has run. ZeRO lets go of each reduce-scatter's full gradient this way: held
   // until the CPU saw the op finish, the gradients of every unit the CPU had queued ahead of
   // the GPU stayed allocated together. Returns, per handle, whether it is settled: let go,
-  // or failed (its failure waits for synchronize()); an op not queued yet is left as it was.
-  std::vector<bool> TryLetGoAll(const std::vector<int64_t>& hs, int device) {
+  // failed (its failure waits for synchronize()) or released already; an op not queued yet
+  // is left as it was. `stream` (a cudaStream_t; 0: the current one) is current for the call:
+  // cheaper than torch.cuda.stream() around it, at every gradient bucket.
+  std::vector<bool> TryLetGoAll(const std::vector<int64_t>& hs, int device, uintptr_t stream) {
+    auto current = device >= 0 && stream != 0 ? UseCudaStream(device, reinterpret_cast<void*>(stream)) : nullptr;
     std::vector<bool> settled(hs.size(), false);
     const void* last = nullptr;
     for (size_t i = 0; i < hs.size(); ++i) {
@@ -706,7 +709,7 @@ PYBIND11_MODULE(_core, m) {
       .def("wait_stream_all", &PyRuntime::WaitStreamAll, py::arg("handles"), py::arg("device"),
            py::arg("let_go") = false)
       .def("try_wait_stream", &PyRuntime::TryWaitStream, py::arg("handle"), py::arg("device"))
-      .def("try_let_go_all", &PyRuntime::TryLetGoAll, py::arg("handles"), py::arg("device"))
+      .def("try_let_go_all", &PyRuntime::TryLetGoAll, py::arg("handles"), py::arg("device"), py::arg("stream") = 0)
       .def("wait_all", &PyRuntime::WaitAll)
       .def("poll", &PyRuntime::Poll)
       .def("shutdown", &PyRuntime::Shutdown)

@@ -116,12 +116,12 @@ def _try_wait_stream(handle, device):
     return _runtime().try_wait_stream(handle, _device_index(device))
 
 
-def _try_let_go(handles, device):
-    """For each CUDA op already queued on the GPU: the current stream of `device` (a side
-    stream, never the compute stream) waits for it, and its handle lets go of its tensors;
-    see [Note: letting go once queued] in python/adapter.cc. Per handle, whether it is
-    settled (let go, or failed; synchronize() reports that)."""
-    return _runtime().try_let_go_all(handles, _device_index(device))
+def _try_let_go(handles, device, stream):
+    """For each CUDA op already queued on the GPU: `stream` (a side stream, never the
+    compute stream) waits for it, and its handle lets go of its tensors; see [Note: letting
+    go once queued] in python/adapter.cc. Per handle, whether it is settled (let go, failed,
+    or released already; synchronize() reports a failure)."""
+    return _runtime().try_let_go_all(handles, _device_index(device), stream.cuda_stream)
 
 
 def _device_index(device):

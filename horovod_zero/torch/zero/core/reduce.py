@@ -64,7 +64,7 @@ class GradReducer:
         # allocator reuses that memory only after the reduction has run.
         cuda = storage.param_device.type == "cuda"
         self._release_stream = torch.cuda.Stream(storage.param_device) if cuda else None
-        self._let_go = set()
+        self._letting_go = []  # CUDA: handles submitted, not let go yet (released ones are dropped too)
         self._sunk = set()  # shard indices whose first reduction the sink took early
         # After finish(): shard index -> its reductions the GPU is not ordered after yet,
         # until the sink reads the shard (order_shards()); release() orders the rest.
@@ -109,14 +109,12 @@ class GradReducer:
         """The reductions queued on the GPU since the last flush stop holding their full
         gradients, which count as freed from then on instead of from when the CPU sees them
         finish: the CPU runs units ahead of the GPU, and their gradients would otherwise
-        all be allocated at once ([Note: letting go once queued] in python/adapter.cc)."""
-        if self._release_stream is None:
-            return
-        todo = [h for index in self._undrained for h, _ in self._pending[index] if h not in self._let_go]
-        if todo:
-            with torch.cuda.stream(self._release_stream):
-                settled = ops._try_let_go(todo, self._storage.param_device)
-            self._let_go.update(h for h, done in zip(todo, settled) if done)
+        all be allocated at once ([Note: letting go once queued] in python/adapter.cc).
+        A handle _drain() released meanwhile counts as settled there."""
+        if self._letting_go:
+            todo = self._letting_go
+            settled = ops._try_let_go(todo, self._storage.param_device, self._release_stream)
+            self._letting_go = [h for h, done in zip(todo, settled) if not done]
 
     def _stream(self):
         """The sink's early stream as the current one (overlap_step on the device), else nothing."""
@@ -159,7 +157,6 @@ class GradReducer:
             while handles and (wait or ops.poll(handles[0][0])):
                 h, out = handles.pop(0)
                 ops.synchronize(h)
-                self._let_go.discard(h)
                 self._done.setdefault(index, []).append(out)
             if handles:
                 return
@@ -212,6 +209,8 @@ class GradReducer:
                                process_set=self._groups.shard_set)
         for h, out, (s, _, _) in zip(handles, outs, taken):
             self._pending.setdefault(s.index, []).append((h, out))
+        if self._release_stream is not None:
+            self._letting_go += handles
         self._undrained.extend(s.index for s, _, _ in taken)
 
     def _trained(self):
@@ -404,7 +403,7 @@ class GradReducer:
         self._pending.clear()
         self._done.clear()
         self._undrained.clear()
-        self._let_go.clear()
+        self._letting_go.clear()
         self._sunk.clear()
         self._had_grad.clear()
         self._delay = [self._bpps] * len(self._storage.shards)
