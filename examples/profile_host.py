@@ -1,10 +1,10 @@
 """Where the host's time goes in a step: the 1.2B model at micro-batch 1 (the host sets the
-pace there). Per mode: the median step, the host time of each phase of a step run back to back
-(forward, backward, step, zero_grad: the time the call took to return), then, with
+pace there). Per mode and rank: the median step, the host time of each phase of a step run back
+to back (forward, backward, step, zero_grad: the time the call took to return), then, with
 HVDZ_CPROFILE=1, cProfile of rank 0 over 10 steps (the main thread only: backward's hooks run on
 autograd's thread, which a sampling profiler sees, e.g. py-spy record --native --threads).
 HVDZ_TIME_CALLS=1 times the ZeRO package's functions instead (host_calls.py): inclusive host
-time and calls per step, over 10 steps, for each mode but the floor.
+time and calls per step, over 10 steps, on every rank, for each mode but the floor.
 
     torchrun --nproc_per_node=2 examples/profile_host.py floor zero2 zero3
 """
@@ -88,18 +88,18 @@ def main():
             step()
         torch.cuda.synchronize()
         back_to_back = (time.perf_counter() - t) / 20
-        if hvd.rank() == 0:
-            phases = ", ".join(f"{p} {sorted(v)[10] * 1e3:.1f}" for p, v in zip(PHASES, zip(*marks)))
-            print(f"== {mode}: median {sorted(times)[7] * 1e3:.1f} ms, back to back {back_to_back * 1e3:.1f} ms, "
-                  f"peak {torch.cuda.max_memory_allocated(dev) / 2**30:.2f} GiB; "
-                  f"host per phase (median, ms): {phases}", flush=True)
+        # Every rank: at a barrier (the step's count allreduce) one rank waits for the slower.
+        phases = ", ".join(f"{p} {sorted(v)[10] * 1e3:.1f}" for p, v in zip(PHASES, zip(*marks)))
+        print(f"== {mode}, rank {hvd.rank()}: median {sorted(times)[7] * 1e3:.1f} ms, back to back "
+              f"{back_to_back * 1e3:.1f} ms, peak {torch.cuda.max_memory_allocated(dev) / 2**30:.2f} GiB; "
+              f"host per phase (median, ms): {phases}", flush=True)
         if timer is not None and opt is not None:
             timer.reset()
             for _ in range(10):
                 step()
             torch.cuda.synchronize()
-            if hvd.rank() == 0:
-                print(f"== {mode}: host time per step by function (inclusive)\n{timer.table(10)}", flush=True)
+            print(f"== {mode}, rank {hvd.rank()}: host time per step by function (inclusive)\n{timer.table(10)}",
+                  flush=True)
         elif os.environ.get("HVDZ_CPROFILE", "1") == "1":
             pr = cProfile.Profile()
             pr.enable()

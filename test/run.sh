@@ -17,4 +17,4 @@ fi
 
 echo "== Python tests (pytest)"
 cd "$ROOT/test"
-"$PYTHON" -m pytest -q -ra python gpu "$@"
+"$PYTHON" -m pytest -q -ra --durations=15 python gpu "$@"
