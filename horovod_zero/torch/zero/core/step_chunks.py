@@ -87,13 +87,12 @@ class ChunkedStep:
                 if masters[i].grad is not None or i in raw:
                     by_group.setdefault(shards[i].group, []).append(i)
             for k, indices in by_group.items():
-                uncast = {i for i in indices if i in raw}
+                uncast = [i for i in indices if i in raw]
+                cast = [masters[i] for i in indices if i not in raw]  # before raw.pop() below
                 if uncast:
                     self.uncast_last_step += len(uncast)
-                    ordered = [i for i in indices if i in uncast]
-                    master_adam.step(self._optimizer, groups[k], [masters[i] for i in ordered],
-                                     [raw.pop(i) for i in ordered], sink.unscale)
-                cast = [masters[i] for i in indices if i not in uncast]
+                    master_adam.step(self._optimizer, groups[k], [masters[i] for i in uncast],
+                                     [raw.pop(i) for i in uncast], sink.unscale)
                 if cast:
                     adam_step(self._optimizer, groups[k], cast)
                 for m in cast:
