@@ -157,6 +157,15 @@ def mean_over_ranks(values):
     return dict(zip(keys, got.tolist()))
 
 
+def trace_file(trace_dir, name):
+    """Where this rank keeps its profiler trace of `name`, or None. trace_dir is a
+    (folder, every rank) pair: rank 0 alone unless every rank was asked for."""
+    folder, every = trace_dir or ("", False)
+    if not folder or (hvd.rank() != 0 and not every):
+        return None
+    return os.path.join(folder, f"trace_{name}{f'.rank{hvd.rank()}' if every else ''}.json.gz")
+
+
 def bench_floor(cfg, micro, steps, dev, compiled, ac, trace_dir=None):
     """The compute floor: forward and backward of the same model with bf16 parameters, on
     each GPU alone (no communication, no optimizer step). (median step s, back-to-back step s, peak GiB, GPU busy s)."""
@@ -173,7 +182,7 @@ def bench_floor(cfg, micro, steps, dev, compiled, ac, trace_dir=None):
         torch.cuda.reset_peak_memory_stats()
     t, tb = run_steps(step, steps)
     peak = peak_gib()
-    keep = os.path.join(trace_dir, "trace_floor.json.gz") if trace_dir and hvd.rank() == 0 else None
+    keep = trace_file(trace_dir, "floor")
     parts = mean_over_ranks(profile_parts(step, 3, sync, keep))
     return t, tb, peak, busy(parts)
 
@@ -298,7 +307,7 @@ def _bench_mode(mode, cfg, micro, steps, dev, profile_dir, profile_modes, phases
     hvd.collective_stats(reset=True)
     t, tb = run_steps(step, steps)
     links = bytes_by_set(hvd.collective_stats(), opt, 2 * steps + 3) if mode.startswith("zero") else None
-    keep = os.path.join(trace_dir, f"trace_{mode.replace('+', '_')}.json.gz") if trace_dir and hvd.rank() == 0 else None
+    keep = trace_file(trace_dir, mode.replace('+', '_'))
     parts = mean_over_ranks(profile_parts(step, 3, sync, keep)) if breakdown else None
     out = (t, tb, micro * cfg["seq"] / t, peak_gib(), phase_peaks(forward, backward, update) if phases else None, links,
            parts, tuned)
@@ -439,6 +448,8 @@ def main():
                     help="AdamW's kernel for every system (default: each system's own)")
     ap.add_argument("--breakdown", action="store_true", help="the floor, and each step split into its parts (CUDA)")
     ap.add_argument("--trace-dir", default="", help="with --breakdown: keep rank 0's traces here, gzipped")
+    ap.add_argument("--trace-all-ranks", action="store_true",
+                    help="with --trace-dir: every rank keeps its trace (trace_<mode>.rank<N>.json.gz)")
     ap.add_argument("--jsonl", default="", help="append the results here, one JSON row per line (rank 0)")
     ap.add_argument("--extras", default="coalescing,downcast,init")
     ap.add_argument("--phases", action="store_true", help="peak memory per phase of one extra step")
@@ -453,6 +464,7 @@ def main():
     args = ap.parse_args()
     if args.tiny:
         args.model = "tiny"
+    trace = (args.trace_dir, args.trace_all_ranks) if args.trace_dir else None
     if args.trace_dir:
         os.makedirs(args.trace_dir, exist_ok=True)
     if args.sim_nodes:
@@ -475,7 +487,7 @@ def main():
     floor_busy = None
     if args.breakdown:
         t, tb, peak, floor_busy = bench_floor(cfg, args.micro_batch, args.steps, dev, args.compile, args.ac,
-                                              args.trace_dir)
+                                              trace)
         lines.append(f"{'floor (1 GPU, fwd+bwd)':22s} step {t*1e3:9.1f} ms  back-to-back {tb*1e3:6.1f} ms  "
                      f"GPU busy {floor_busy*1e3:.1f} ms  peak {peak:6.2f} GiB")
         rows.append(result_row(args, cfg, "floor", dict(compile=args.compile, ac=args.ac),
@@ -492,7 +504,7 @@ def main():
         try:
             t, tb, tok, peak, phases, links, parts, tuned = bench_mode(
                 run, cfg, args.micro_batch, args.steps, dev, args.profile_dir, args.profile.split(","), args.phases,
-                reduce_dtype, compiled, ac, adam, args.breakdown, args.trace_dir, args.tune_max_steps)
+                reduce_dtype, compiled, ac, adam, args.breakdown, trace, args.tune_max_steps)
         except Exception as e:  # noqa: BLE001 - a peer that cannot run this setting: say so, go on
             lines.append(f"{label:22s} failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
             release_memory()

@@ -39,6 +39,15 @@ def build(mode, cfg, dev):
     return m, opt
 
 
+def allocator_calls(before, after, steps):
+    """What torch's caching allocator did per step that can stall the host: cudaMalloc and
+    cudaFree calls (a free synchronizes the device), retries after a failed allocation
+    (which free the cache first) and waits for every stream."""
+    keys = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+    return "allocator per step: " + ", ".join(
+        f"{k[4:]} {(after.get(k, 0) - before.get(k, 0)) / steps:g}" for k in keys)
+
+
 def make_step(m, opt, x, marks):
     """One training step; appends the host time of each phase to marks."""
     def step():
@@ -83,16 +92,18 @@ def main():
             times.append(time.perf_counter() - t)
         marks.clear()
         torch.cuda.reset_peak_memory_stats(dev)
+        before = torch.cuda.memory_stats(dev)
         t = time.perf_counter()
         for _ in range(20):
             step()
         torch.cuda.synchronize()
         back_to_back = (time.perf_counter() - t) / 20
+        after = torch.cuda.memory_stats(dev)
         # Every rank: at a barrier (the step's count allreduce) one rank waits for the slower.
         phases = ", ".join(f"{p} {sorted(v)[10] * 1e3:.1f}" for p, v in zip(PHASES, zip(*marks)))
         print(f"== {mode}, rank {hvd.rank()}: median {sorted(times)[7] * 1e3:.1f} ms, back to back "
               f"{back_to_back * 1e3:.1f} ms, peak {torch.cuda.max_memory_allocated(dev) / 2**30:.2f} GiB; "
-              f"host per phase (median, ms): {phases}", flush=True)
+              f"host per phase (median, ms): {phases}; {allocator_calls(before, after, 20)}", flush=True)
         if timer is not None and opt is not None:
             timer.reset()
             for _ in range(10):
