@@ -1,5 +1,6 @@
 """The step of Adam/AdamW master shards in chunks, in the order the gradients were
-reduced, each chunk's allgather (stages 1 and 2) queued before the next chunk is stepped
+reduced, each chunk's allgather (stages 1 and 2) queued before the next chunk is stepped,
+or all of them after the last chunk in the parameters' order with overlap_param_gather
 (core/step_chunks.py): the same weights and state as the step in one piece, the
 reference's weights, and LR schedulers and step hooks that see every step. CPU ranks;
 HOROVOD_ZERO_STEP_CHUNK_BYTES=64 makes a chunk of each parameter or two."""
@@ -98,8 +99,9 @@ def test_a_step_pre_hook_runs_before_a_step_made_whole(two_ranks):
 
 
 def _order_of_the_step(stage, overlap):
-    """The shards whose gradients the step takes late, in the order it takes them, and
-    the order their reductions were submitted in (each parameter a bucket of its own)."""
+    """The shards whose gradients the step takes late, in the order it takes them, the
+    order their reductions were submitted in (each parameter a bucket of its own), and
+    the shards of each call that gathers new parameters, in order."""
     model = mlp()
     with scoped_env(HOROVOD_ZERO_STEP_CHUNK_BYTES=64, HOROVOD_ZERO_BUCKET_BYTES=1):
         opt = hvd.DistributedZeroOptimizer(adamw(model.named_parameters()), model=model, stage=stage,
@@ -116,23 +118,36 @@ def _order_of_the_step(stage, overlap):
         submitted.extend(s.index for s, _, _ in items if s.index not in submitted)
         submit(items)
     sink.take_deferred, reducer._submit = take_spy, submit_spy
+    published, publish = [], opt._params.publish
+
+    def publish_spy(wait, indices=None):
+        if indices:
+            published.append(list(indices))
+        publish(wait, indices)
+    opt._params.publish = publish_spy
     x, y = batch(0, 0, "cpu")
     mse(model, rank_rows(x, hvd.rank(), hvd.size()), rank_rows(y, hvd.rank(), hvd.size())).backward()
     opt.step()
     opt.zero_grad()
-    return taken, submitted, len(opt._storage.shards)
+    return taken, submitted, published, len(opt._storage.shards)
 
 
 @pytest.mark.parametrize("stage,overlap", [(1, False), (2, False), (3, False), (2, True)],
                          ids=["stage1", "stage2", "stage3", "stage2-overlap-gather"])
 def test_the_step_takes_the_gradients_in_the_order_they_were_reduced(two_ranks, stage, overlap):
-    for taken, submitted, n in two_ranks.run(_order_of_the_step, stage, overlap):
+    for taken, submitted, published, n in two_ranks.run(_order_of_the_step, stage, overlap):
         assert sorted(taken) == list(range(n)) and sorted(submitted) == list(range(n)), (taken, submitted)
         # Stage 1 reduces every gradient at step(), in the parameters' order; stages 2 and 3
-        # as backward makes them, the last layer's first. With overlap_param_gather the step
-        # goes in the parameters' order, the order of the next forward.
-        assert taken == (list(range(n)) if overlap else submitted), (taken, submitted)
+        # as backward makes them, the last layer's first.
+        assert taken == submitted, (taken, submitted)
         assert (submitted == list(range(n))) == (stage == 1), submitted
+        if overlap or stage == 3:
+            # One call after the last chunk, in the parameters' order: the next forward's
+            # first units, which it waits for first, are gathered first (stage 3 gathers
+            # each unit at the next forward).
+            assert published == [list(range(n))], published
+        else:  # each chunk's gather right after its step
+            assert len(published) >= 3 and sum(published, []) == taken, (published, taken)
 
 
 @contextlib.contextmanager

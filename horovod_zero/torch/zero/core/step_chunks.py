@@ -13,11 +13,15 @@ fused AdamW, then 6 ms of gathers with the GPU's compute idle). In chunks they o
   and step. Chunks go in the order the reductions were submitted, so the shards
   reduced first are stepped while the last reductions (the embedding's, at the end of
   backward) still run. At stage 1, where every reduction starts at step(), the step of
-  one chunk runs beside the reductions of the next. With overlap_param_gather the
-  chunks go in the parameters' order instead: the next forward's first layers wait
-  only for the first gathers, and the rest run under their compute.
+  one chunk runs beside the reductions of the next.
 - At stages 1 and 2 each chunk's allgather is queued after its step: what is left
   exposed is about one chunk's gather. Stage 3 gathers at the next forward.
+- With overlap_param_gather the next forward waits for each unit's gather only, so the
+  gathers are queued after the last chunk, in the parameters' order: the first units'
+  (the tied embedding's too, whose reduction ends backward) run first and the rest under
+  the forward's compute. Stepping in the parameters' order instead started with the
+  embedding, so every chunk's step waited for that last reduction; queued after each
+  chunk in reduction order, the first units' gathers would run last.
 - Same values: each chunk is torch's own update of its parameters (core/adam_subset.py),
   elementwise, with the group's kernel and hyperparameters at step(). On CUDA, a group
   that steps with torch's fused kernel is stepped from the uncast gradients instead
@@ -54,12 +58,11 @@ class ChunkedStep:
         total = sum(s.shard for s in self._st.shards)
         return total > self._chunk_numel and steps_piecewise(self._optimizer)
 
-    def _chunks(self, deferred, forward_order):
+    def _chunks(self, deferred):
         """Whole shards, those whose gradient is already cast (or absent) first, then the
-        `deferred` ones in the order they were reduced; `forward_order`: all in the
-        parameters' order instead."""
-        late = set() if forward_order else set(deferred)
-        order = [s.index for s in self._st.shards if s.index not in late] + ([] if forward_order else deferred)
+        `deferred` ones in the order they were reduced."""
+        late = set(deferred)
+        order = [s.index for s in self._st.shards if s.index not in late] + list(deferred)
         chunk, numel = [], 0
         for i in order:
             chunk.append(i)
@@ -73,14 +76,15 @@ class ChunkedStep:
     def step(self, sink, publish, forward_order=False):
         """Steps every master shard that has a gradient, chunk by chunk, taking each chunk's
         deferred gradients from `sink` first and calling publish(indices) after it; then the
-        inner optimizer's step(). `forward_order` (overlap_param_gather): in the parameters'
-        order, so that the first layers' gathers, which the next forward waits for first,
-        are queued first."""
+        inner optimizer's step(). `forward_order` (overlap_param_gather): publish() once,
+        after the last chunk, with the indices in the parameters' order, so that the
+        gathers the next forward waits for first are queued first."""
         masters, shards, groups = self._st.master_params, self._st.shards, self._optimizer.param_groups
         # CUDA: torch's fused Adam groups step from the reduced gradients uncast (core/master_adam.py).
         direct = [self._master_adam and master_adam.fits(g) for g in groups]
         self.chunks_last_step = self.uncast_last_step = 0
-        for chunk in self._chunks(sink.deferred, forward_order):
+        stepped = []
+        for chunk in self._chunks(sink.deferred):
             raw = sink.take_deferred(chunk, raw=lambda i: direct[shards[i].group])
             by_group = {}
             for i in chunk:
@@ -97,6 +101,11 @@ class ChunkedStep:
                     adam_step(self._optimizer, groups[k], cast)
                 for m in cast:
                     m.grad = None  # stepped (and freed early); a chunk that raised keeps them
-            publish(chunk)
+            if forward_order:
+                stepped += chunk
+            else:
+                publish(chunk)
             self.chunks_last_step += 1
+        if stepped:
+            publish(sorted(stepped))
         return self._optimizer.step()  # steps nothing: every gradient is gone
