@@ -16,12 +16,10 @@ fused AdamW, then 6 ms of gathers with the GPU's compute idle). In chunks they o
   one chunk runs beside the reductions of the next.
 - At stages 1 and 2 each chunk's allgather is queued after its step: what is left
   exposed is about one chunk's gather. Stage 3 gathers at the next forward.
-- With overlap_param_gather the next forward waits for each unit's gather only, so the
-  gathers are queued after the last chunk, in the parameters' order: the first units'
-  (the tied embedding's too, whose reduction ends backward) run first and the rest under
-  the forward's compute. Stepping in the parameters' order instead started with the
-  embedding, so every chunk's step waited for that last reduction; queued after each
-  chunk in reduction order, the first units' gathers would run last.
+- With overlap_param_gather the next forward waits for each unit's own gather, so the
+  gathers are queued after the last chunk in the parameters' order: the first units'
+  run first, the rest under the forward's compute. (Stepped in the parameters' order,
+  every chunk waited for the tied embedding's reduce-scatter, the last of backward.)
 - Same values: each chunk is torch's own update of its parameters (core/adam_subset.py),
   elementwise, with the group's kernel and hyperparameters at step(). On CUDA, a group
   that steps with torch's fused kernel is stepped from the uncast gradients instead
