@@ -200,7 +200,8 @@ PARTS = [("floor_gpu_ms", "compute floor (fwd+bwd alone)", "#d9d9d9"),
 
 def breakdown(rows):
     """The step breakdown (bench_zero.py --breakdown) as stacked bars: the newest run per
-    model, micro-batch and AdamW kernel; a tick marks each system's unprofiled median step."""
+    model, micro-batch and AdamW kernel that has a peer beside ours (else the newest); a
+    tick marks each system's unprofiled median step."""
     split = [r for r in rows if r["benchmark"] == "bench_zero" and r["commit"] and "env" not in r["settings"]
              and "gpu_idle_ms" in r["metrics"]]
     runs = OrderedDict()
@@ -208,8 +209,10 @@ def breakdown(rows):
         s = r["settings"]
         runs.setdefault((s["model"], s["micro_batch"], s.get("adam")), OrderedDict())[run_key(r)] = True
     panels = []
+    def has_peer(key):
+        return any(run_key(r) == key and not r["system"].startswith(("horovod_zero", "compute floor")) for r in split)
     for (model, mb, adam), keys in runs.items():
-        key = list(keys)[-1]
+        key = next((k for k in reversed(keys) if has_peer(k)), list(keys)[-1])
         run = [r for r in rows if run_key(r) == key and "env" not in r["settings"]]
         panels.append((model, mb, adam, [r for r in run if "gpu_idle_ms" in r["metrics"]],
                        next((r for r in run if r["system"] == "compute floor"), None)))
