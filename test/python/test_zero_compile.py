@@ -1,5 +1,6 @@
 """torch.compile and activation checkpointing at every ZeRO stage, over 2 and 3 CPU
-ranks with inductor on CPU, against plain single-process eager torch.
+ranks with inductor on CPU (hybrid sharding over 4 ranks through aot_eager), against
+plain single-process eager torch.
 
 The model is the shape users compile block by block: an embedding tied to the
 output head, four LayerNorm-Linear-GELU-Linear residual blocks in a ModuleList, a
