@@ -24,16 +24,6 @@ from step_breakdown import _GPU_CATS, _LAUNCH_CATS, is_comm, kernel_intervals, p
 LATE_US = 100.0  # a collective launched less than this before it ran waited for its launch
 
 
-def _merged_length(spans):
-    total, end = 0.0, None
-    for s, e in sorted(spans):
-        if end is None or s > end:
-            total, end = total + (e - s), e
-        elif e > end:
-            total, end = total + (e - end), e
-    return total
-
-
 def comm_summary(events):
     """For one rank's Chrome trace events (on the GPU that ran most of its kernels): the
     traced window, the time NCCL kernels run, the exposed time (only NCCL runs), and the
@@ -50,7 +40,9 @@ def comm_summary(events):
     leads = [e["ts"] - launched[e["args"]["correlation"]] for e in comm
              if e.get("args", {}).get("correlation") in launched]
     window = max(e["ts"] + e["dur"] for e in gpu) - min(e["ts"] for e in gpu)
-    return dict(window=window, comm_busy=_merged_length([(e["ts"], e["ts"] + e["dur"]) for e in comm]),
+    # Only communication in the timeline: its "exposed" time is the time some collective runs.
+    busy = partition([(e["ts"], e["ts"] + e["dur"], "comm") for e in comm])["exposed"]
+    return dict(window=window, comm_busy=busy,
                 exposed=partition(kernel_intervals(mine))["exposed"], collectives=len(comm), leads=leads)
 
 

@@ -38,7 +38,11 @@ def test_occupancy_exposed_time_and_leads_of_the_busiest_gpu():
 
 
 def test_overlapping_collectives_count_once_and_no_gpu_events_say_so():
-    assert tc._merged_length([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17
+    events = [_launch(0, 1), _kernel("ncclDevKernel_AllGather", 0, 10, 1), _launch(0, 2),
+              _kernel("ncclDevKernel_ReduceScatter", 5, 7, 2), _launch(0, 3), _kernel("ncclDevKernel_AllGather", 20, 5, 3),
+              _launch(0, 4), _kernel("ncclDevKernel_AllGather", 21, 1, 4)]
+    s = tc.comm_summary(events)
+    assert s["comm_busy"] == 17 and s["exposed"] == 17 and s["window"] == 25
     assert tc.comm_summary([_launch(0, 1)]) is None
     assert tc.describe("t", None) == "t: no GPU events"
 
