@@ -60,7 +60,7 @@ class ChunkedStep:
         """Whole shards, those whose gradient is already cast (or absent) first, then the
         `deferred` ones in the order they were reduced."""
         late = set(deferred)
-        order = [s.index for s in self._st.shards if s.index not in late] + list(deferred)
+        order = [s.index for s in self._st.shards if s.index not in late] + deferred
         chunk, numel = [], 0
         for i in order:
             chunk.append(i)
