@@ -54,6 +54,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import horovod_zero.torch as hvd
+from horovod_zero.settings import VARIABLES
 from bench_timing import back_to_back_time, median_time, run_until_tuned, sync, tuned_text
 from llama_model import LLAMA_1B, LLAMA_3B, LLAMA_8B, TINY, Decoder
 from step_breakdown import OPTIMIZER_MARK, busy, profile_parts
@@ -68,10 +69,11 @@ def max_gib(nbytes, name):
     return hvd.allreduce(torch.tensor([nbytes / 2**30]), op=hvd.Max, name=name).item()
 
 
-def peak_gib():
+def peak_gib(outside=0):
+    """`outside`: bytes held outside torch's allocator (HOROVOD_ZERO_CE_ALLGATHER_BYTES's window)."""
     if not torch.cuda.is_available():
         return float("nan")
-    return max_gib(torch.cuda.max_memory_allocated(), "bench.peak")
+    return max_gib(torch.cuda.max_memory_allocated() + outside, "bench.peak")
 
 
 def release_memory():
@@ -309,7 +311,8 @@ def _bench_mode(mode, cfg, micro, steps, dev, profile_dir, profile_modes, phases
     links = bytes_by_set(hvd.collective_stats(), opt, 2 * steps + 3) if mode.startswith("zero") else None
     keep = trace_file(trace_dir, mode.replace('+', '_'))
     parts = mean_over_ranks(profile_parts(step, 3, sync, keep)) if breakdown else None
-    out = (t, tb, micro * cfg["seq"] / t, peak_gib(), phase_peaks(forward, backward, update) if phases else None, links,
+    window = hvd.runtime_info()["gather_window_bytes"] if mode.startswith("zero") else 0
+    out = (t, tb, micro * cfg["seq"] / t, peak_gib(window), phase_peaks(forward, backward, update) if phases else None, links,
            parts, tuned)
     if profile_dir and mode in profile_modes:  # every rank steps; rank 0 writes
         profile_steps(step, os.path.join(profile_dir, f"profile_{mode.replace('+', '_')}.txt") if hvd.rank() == 0 else None)
@@ -406,9 +409,15 @@ def result_row(args, cfg, mode, settings, metrics):
         settings.update(shard_group="node", sim_nodes=args.sim_nodes)
     if "@" in mode:
         settings["env"] = mode.split("@", 1)[1]
+    # The job's own HOROVOD_* settings (for every mode of the run), in the command too.
+    tunables = {v.name for v in VARIABLES}
+    job_env = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k in tunables)
+    if job_env:
+        settings["job_env"] = job_env
     return dict(date=datetime.date.today().isoformat(), commit=os.environ.get("HVDZ_COMMIT"),
                 machine=f"{hvd.size()} x {gpu}", benchmark="bench_zero",
-                command=f"torchrun --nproc_per_node={hvd.size()} examples/bench_zero.py {shlex.join(command_args())}",
+                command=(job_env + " " if job_env else "") +
+                f"torchrun --nproc_per_node={hvd.size()} examples/bench_zero.py {shlex.join(command_args())}",
                 system=system, settings=settings, note=None,
                 metrics={k: round(v, 3) if v == v else None for k, v in metrics.items()})  # NaN: not measured
 

@@ -151,6 +151,10 @@ VARIABLES = (
              "ranks, 16 beyond"),
     Variable("HOROVOD_ZERO_COPY_STREAM_BYTES", "copy_stream_bytes", "core", _Number(int, 0), 8 * _MiB,
              "fused CUDA ops of at least this many bytes copy on side streams; 0: never"),
+    Variable("HOROVOD_ZERO_CE_ALLGATHER_BYTES", "ce_allgather_bytes", "core", _Number(int, 0), 0,
+             "bytes of a symmetric NCCL window per communicator through which CUDA allgathers that fit run on "
+             "the copy engines instead of SMs (NCCL 2.28 or later, all ranks on one host); held outside "
+             "torch's allocator; 0: off"),
     Variable("HOROVOD_AUTOTUNE", "autotune", "core", _Bool(), False,
              "1: tune the fusion threshold, the cycle time and ZeRO's bucket size and prefetch depth while the "
              "job runs (Bayesian optimisation, as Horovod's autotuner); settings given explicitly stay as given"),
@@ -231,6 +235,7 @@ class Settings:
     transport_timeout_seconds: float
     direct_max_tensors: int
     copy_stream_bytes: int
+    ce_allgather_bytes: int
     autotune: bool
     autotune_log: str
     autotune_warmup_samples: int

@@ -22,6 +22,9 @@ struct Params {
   double transport_timeout_seconds = 30.0;               // HOROVOD_GLOO_TIMEOUT_SECONDS
   int direct_max_tensors = -1;  // HOROVOD_ZERO_DIRECT_MAX_TENSORS; 0: never; -1: by world size (ops/plan_direct.cc)
   int64_t copy_stream_bytes = 8ll * 1024 * 1024;         // HOROVOD_ZERO_COPY_STREAM_BYTES; 0: never
+  // HOROVOD_ZERO_CE_ALLGATHER_BYTES: each NCCL communicator's symmetric window for
+  // copy-engine allgathers, see [Note: copy-engine allgather]; 0: none.
+  int64_t ce_allgather_bytes = 0;
 
   // Autotuning (autotune/autotuner.h), Horovod's variables and one of ours.
   bool autotune = false;               // HOROVOD_AUTOTUNE

@@ -77,6 +77,16 @@ Status CudaContext::FusionBuffer(size_t bytes, void** ptr) {
   return Status::OK();
 }
 
+// One window per communicator, reused by op after op: its copy in, allgather and copy
+// out all stay on the collective stream, so an op's copy in cannot overwrite what an
+// earlier op has yet to copy out.
+Status CudaContext::WindowBuffer(void** ptr) {
+  cudaStream_t stream;
+  HVDZ_RETURN_IF_ERROR(copies_.Begin(false, &stream));
+  *ptr = comm_->window();
+  return Status::OK();
+}
+
 void CudaContext::Finish(std::vector<TensorEntry> entries, const Status& s) {
   cudaStream_t last;
   const bool side = copies_.active();

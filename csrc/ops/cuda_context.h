@@ -37,6 +37,8 @@ class CudaContext : public DeviceContext {
   Status WaitForInputs(const std::vector<TensorEntry>& entries) override;
   Status Copy(const std::vector<CopyDesc>& descs, DataType src, DataType dst, double scale, CopyStage stage) override;
   Status FusionBuffer(size_t bytes, void** ptr) override;
+  int64_t WindowBytes() const override { return comm_->window_bytes(); }
+  Status WindowBuffer(void** ptr) override;
   void Finish(std::vector<TensorEntry> entries, const Status& s) override;
   // Every writer of an output (NCCL, or the copy-out stream after an event on it) is
   // ordered after earlier work on the NCCL stream.

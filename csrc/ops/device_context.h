@@ -30,6 +30,16 @@ class DeviceContext {
   // op's first copy. CPU: one buffer kept across ops (a later call may move it). CUDA:
   // a stream-ordered buffer per op.
   virtual Status FusionBuffer(size_t bytes, void** ptr) = 0;
+  // The bytes of a buffer that starts at the same offset of a registered window on
+  // every rank, through which the communicator runs an allgather on the copy engines
+  // (see [Note: copy-engine allgather] in transport/nccl/nccl_window.cc); 0: none.
+  virtual int64_t WindowBytes() const { return 0; }
+  // That buffer, taken instead of FusionBuffer for an allgather that fits; the op's
+  // copies then stay on the collective stream, which orders every use of the window.
+  virtual Status WindowBuffer(void** ptr) {
+    *ptr = nullptr;
+    return Status::Error("this device has no allgather window");
+  }
   // Reports `s` to every entry once the work queued for them has finished.
   virtual void Finish(std::vector<TensorEntry> entries, const Status& s) = 0;
   // The stream that first writes outputs the runtime allocates (CUDA); nullptr on CPU.

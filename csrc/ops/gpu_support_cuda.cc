@@ -1,5 +1,6 @@
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
@@ -57,12 +58,17 @@ class CudaSupport : public GpuSupport {
   }
 
   int device_count() const override { return count_; }
+  int64_t window_bytes() const override { return window_bytes_.load(); }
 
   Status CreateContext(int device, ControlPlane& cp, Allocator& alloc, std::unique_ptr<DeviceContext>* out) override {
     Device* d = nullptr;
     HVDZ_RETURN_IF_ERROR(DeviceOf(device, &d));
     std::unique_ptr<NcclCommunicator> comm;
-    HVDZ_RETURN_IF_ERROR(NcclCommunicator::Create(device, cp, d->stream, &comm));
+    HVDZ_RETURN_IF_ERROR(NcclCommunicator::Create(device, cp, d->stream, params_.ce_allgather_bytes, &comm));
+    if (params_.ce_allgather_bytes > 0 && comm->window() == nullptr)
+      HVDZ_LOG(log_, kWarning) << "HOROVOD_ZERO_CE_ALLGATHER_BYTES is set, but allgathers on cuda:" << device
+                               << " keep NCCL's kernels: " << comm->window_note() << ".";
+    window_bytes_ += comm->window_bytes();
     out->reset(new CudaContext(std::move(comm), *d->copies, alloc, params_, log_));
     return Status::OK();
   }
@@ -124,6 +130,7 @@ class CudaSupport : public GpuSupport {
   Params params_;
   const Logger& log_;
   const int count_;
+  std::atomic<int64_t> window_bytes_{0};
   std::mutex pool_mu_;
   std::unordered_map<int, std::vector<cudaEvent_t>> free_events_;
   std::unordered_map<int, Device> devices_;

@@ -6,7 +6,8 @@
 
 namespace hvdz {
 
-Status Planner::AppendFused(DeviceContext& ctx, const Group& g, const std::vector<size_t>& idx, Program* p) const {
+Status Planner::AppendFused(DeviceContext& ctx, const Group& g, const std::vector<size_t>& idx, Program* p,
+                            bool window) const {
   const Response& r = g.head();
   const DataType dt = r.out_dtype;
   std::vector<const Response*> sub;
@@ -17,7 +18,7 @@ Status Planner::AppendFused(DeviceContext& ctx, const Group& g, const std::vecto
   void* buf = nullptr;
   switch (r.op) {
     case OpType::kAllgather: {
-      HVDZ_RETURN_IF_ERROR(ctx.FusionBuffer(L.total_elems * DataTypeSize(dt), &buf));
+      HVDZ_RETURN_IF_ERROR(window ? ctx.WindowBuffer(&buf) : ctx.FusionBuffer(L.total_elems * DataTypeSize(dt), &buf));
       for (size_t k = 0; k < idx.size(); ++k) {
         const TensorEntry& e = g.entries[idx[k]];
         p->in.descs.push_back({e.input.data, At(buf, rank_ * S + L.offset[k][rank_], dt), L.count[k][rank_]});

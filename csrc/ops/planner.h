@@ -36,8 +36,10 @@ class Planner {
   bool LoneInPlace(const Group& g) const;
   void AppendInPlace(const Group& g, const TensorEntry& e, bool gather_in_place, char* scaled_send,
                      Program* p) const;
-  // plan_fused.cc: entries `idx` through one fusion buffer and one call.
-  Status AppendFused(DeviceContext& ctx, const Group& g, const std::vector<size_t>& idx, Program* p) const;
+  // plan_fused.cc: entries `idx` through one fusion buffer and one call; `window`: an
+  // allgather's buffer is the context's window instead.
+  Status AppendFused(DeviceContext& ctx, const Group& g, const std::vector<size_t>& idx, Program* p,
+                     bool window = false) const;
   // plan_direct.cc: large tensors in place, one grouped communicator launch.
   bool UseDirect(DeviceContext& ctx, const Group& g) const;
   Status PlanDirect(DeviceContext& ctx, const Group& g, Program* p) const;

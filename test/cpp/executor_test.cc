@@ -538,6 +538,46 @@ TEST(Executor, ALoneEvenAllgatherSendsFromItsSlotOfTheOutput) {
   });
 }
 
+// [Note: copy-engine allgather]: an allgather whose fused buffer fits the window runs
+// there, rank-major from its base on every rank (lone and large tensors too), one
+// after another in the same window; one that does not fit, and every other op, plans
+// as without a window.
+TEST(Executor, AllgathersThatFitTheWindowRunThroughItFromItsBase) {
+  const int size = 3;
+  testing::CollectiveHub hub(size);
+  testing::Spawn(size, [&](int r) {
+    Rank k(hub, r, /*groups=*/true);
+    k.ctx.window.assign(4096, 0);
+    const uint8_t* base = k.ctx.window.data();
+    struct Case {
+      GroupSpec g;
+      bool in_window;
+    };
+    std::vector<Case> cases = {
+        {Group(kAG, kF32, kBF16, {T("w.cast.a", {5}), T("w.cast.b", {3, 2}, Out::kAllocated, true)}), true},
+        {Group(kAG, kF32, kF32, {T("w.lone", {100})}), true},
+        {Group(kAG, kF32, kF32, {T("w.lone.again", {7}, Out::kAllocated)}), true},
+        {Group(kAG, kF32, kF32, {T("w.too.big", {400})}), false},
+        {Group(kRS, kF32, kF32, {T("w.rs", {6, 2})}), false},
+    };
+    for (const auto& c : cases) {
+      const int uses = k.ctx.window_uses;
+      k.Run(c.g);
+      k.ExpectResults(c.g);
+      const std::string what = c.g.tensors.front().name + " on rank " + std::to_string(r);
+      EXPECT_EQ(k.ctx.window_uses - uses, c.in_window ? 1 : 0) << what;
+      const auto& call = k.comm.launches().back().calls.at(0);
+      if (c.in_window) {
+        EXPECT_EQ(call.recv, base) << what;
+        // in place: this rank's segment of the window
+        EXPECT_EQ(static_cast<const uint8_t*>(call.send), base + r * call.count * DataTypeSize(c.g.out_dtype)) << what;
+      } else {
+        EXPECT_TRUE(call.recv < base || call.recv >= base + k.ctx.window.size()) << what;
+      }
+    }
+  });
+}
+
 // One group fails (a call, or an output allocation); its entries get the error,
 // the groups before and after it complete, and only launched calls are counted.
 TEST(Executor, AFailedGroupFailsItsOwnEntriesOnly) {

@@ -5,9 +5,6 @@ CPU reference: in fp32 to 1e-5, and with bf16 parameters (bf16 gathers and bf16
 gradient reduction) to bf16 tolerance. On two GPUs, prefetch is shown to overlap
 the next unit's gather with this unit's compute, from the kernels' GPU timestamps."""
 
-import json
-import os
-import tempfile
 import time
 
 import pytest
@@ -16,6 +13,7 @@ import torch
 import horovod_zero.torch as hvd
 from horovod_zero.torch.zero.core import early_step
 import test_zero_stage3 as s3  # the CPU tests' model, data and reference
+from gpu_trace import profiled_events
 from harness import on_gpus, scoped_env, shared_pool
 
 pytestmark = pytest.mark.gpu
@@ -98,16 +96,7 @@ def _gather_overlap(prefetch):
     for _ in range(3):
         step()
     torch.cuda.synchronize(dev)
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(2):
-            step()
-        torch.cuda.synchronize(dev)
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
+    events = profiled_events(lambda: [step() for _ in range(2)], dev)
     kernels = [e for e in events if e.get("cat") == "kernel"]
     gathers = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if "allgather" in e["name"].lower()]
     # The compute stream: the one that ran the most non-NCCL kernel time (the model's).

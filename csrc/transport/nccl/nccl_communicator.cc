@@ -44,7 +44,7 @@ Status NcclStatus(ncclResult_t r, const char* what) {
                        " (set NCCL_DEBUG=INFO for NCCL's own account)");
 }
 
-Status NcclCommunicator::Create(int device, ControlPlane& cp, cudaStream_t stream,
+Status NcclCommunicator::Create(int device, ControlPlane& cp, cudaStream_t stream, int64_t window_bytes,
                                 std::unique_ptr<NcclCommunicator>* out) {
   HVDZ_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device), "cudaSetDevice"));
   ncclUniqueId id;
@@ -56,9 +56,21 @@ Status NcclCommunicator::Create(int device, ControlPlane& cp, cudaStream_t strea
   HVDZ_RETURN_IF_ERROR(cp.Broadcast(&bytes));
   if (bytes.size() != sizeof(id)) return Status::Error("Corrupt NCCL unique id from rank 0.");
   std::memcpy(&id, bytes.data(), sizeof(id));
+  std::string note;
+  const bool window = WindowWanted(cp, window_bytes, &note);
   ncclComm_t comm;
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
+  // The copy engines run an allgather only on a communicator that asks for no CTAs.
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  if (window) config.CTAPolicy = NCCL_CTA_POLICY_ZERO;
+  HVDZ_RETURN_IF_ERROR(
+      NcclStatus(ncclCommInitRankConfig(&comm, cp.size(), id, cp.rank(), &config), "ncclCommInitRankConfig"));
+#else
   HVDZ_RETURN_IF_ERROR(NcclStatus(ncclCommInitRank(&comm, cp.size(), id, cp.rank()), "ncclCommInitRank"));
+#endif
   out->reset(new NcclCommunicator(device, comm, stream));
+  (*out)->window_note_ = note;
+  if (window) HVDZ_RETURN_IF_ERROR((*out)->OpenWindow(cp, window_bytes));
   return Status::OK();
 }
 
@@ -84,6 +96,7 @@ Status NcclCommunicator::Split(NcclCommunicator& parent, int key, std::unique_pt
 NcclCommunicator::~NcclCommunicator() {
   if (!aborted_) {
     cudaStreamSynchronize(stream_);
+    CloseWindow();
     ncclCommDestroy(comm_);
   }
 }

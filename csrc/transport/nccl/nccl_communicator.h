@@ -8,6 +8,7 @@
 #include <nccl.h>
 
 #include <memory>
+#include <string>
 
 #include "transport/communicator.h"
 #include "transport/control_plane.h"
@@ -17,8 +18,10 @@ namespace hvdz {
 class NcclCommunicator : public Communicator {
  public:
   // A communicator of cp's ranks, its unique id from cp's rank 0; collectives go on
-  // `stream`, which the caller keeps until this communicator is gone.
-  static Status Create(int device, ControlPlane& cp, cudaStream_t stream, std::unique_ptr<NcclCommunicator>* out);
+  // `stream`, which the caller keeps until this communicator is gone. `window_bytes`
+  // > 0 asks for a symmetric window of that size (see [Note: copy-engine allgather]).
+  static Status Create(int device, ControlPlane& cp, cudaStream_t stream, int64_t window_bytes,
+                       std::unique_ptr<NcclCommunicator>* out);
   // ncclCommSplit of `parent`, collective over every rank of it: `key` >= 0 is this
   // rank's place in the new communicator (ranks ordered by key), -1 takes no part
   // and gets none (*out stays null). Same device and stream as `parent`. Fails on
@@ -27,6 +30,11 @@ class NcclCommunicator : public Communicator {
   ~NcclCommunicator() override;
 
   cudaStream_t stream() const { return stream_; }
+  // The symmetric window (nullptr: none) and its size; `window_note()` says why a window
+  // that was asked for is missing.
+  void* window() const { return window_buf_; }
+  int64_t window_bytes() const { return window_buf_ != nullptr ? window_bytes_ : 0; }
+  const std::string& window_note() const { return window_note_; }
   int device() const { return device_; }
   // A failure NCCL found on its own (a peer's network error, ...).
   Status AsyncError();
@@ -48,10 +56,20 @@ class NcclCommunicator : public Communicator {
  private:
   NcclCommunicator(int device, ncclComm_t comm, cudaStream_t stream)
       : device_(device), comm_(comm), stream_(stream) {}
+  // nccl_window.cc: whether every rank can take a window (one host, NCCL 2.28 or later),
+  // agreed over `cp` before the communicator exists; then the collective registration.
+  static bool WindowWanted(ControlPlane& cp, int64_t window_bytes, std::string* note);
+  Status OpenWindow(ControlPlane& cp, int64_t window_bytes);
+  void CloseWindow();
+
   int device_;
   ncclComm_t comm_;
   cudaStream_t stream_;
   bool aborted_ = false;
+  void* window_buf_ = nullptr;
+  void* window_handle_ = nullptr;  // ncclWindow_t, where this NCCL has windows
+  int64_t window_bytes_ = 0;
+  std::string window_note_;
 };
 
 // Formats an NCCL failure with the call that failed.
