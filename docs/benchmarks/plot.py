@@ -54,6 +54,8 @@ def short_name(r):
         name += ", overlap_param_gather"
     if r["settings"].get("overlap_step"):
         name += ", overlap_step"
+    if name.startswith("ZeRO") and "HOROVOD_ZERO_CE_ALLGATHER_BYTES" in r["settings"].get("job_env", ""):
+        name += ",\ncopy-engine allgather"
     return name
 
 
