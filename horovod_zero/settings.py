@@ -280,10 +280,30 @@ def _values(rows, env) -> dict:
     return out
 
 
+def _check_nccl_for_windows(env):
+    """NCCL's own variables that would turn the copy-engine allgather off while the window
+    is still registered (every gather then pays the window's copies for nothing)."""
+    off = [f"{k}={env[k]}" for k in ("NCCL_WIN_ENABLE", "NCCL_CUMEM_ENABLE") if env.get(k, "").strip() == "0"]
+    if env.get("NCCL_CTA_POLICY", "").strip():
+        off.append(f"NCCL_CTA_POLICY={env['NCCL_CTA_POLICY']}")
+    if off:
+        raise ValueError("HOROVOD_ZERO_CE_ALLGATHER_BYTES needs NCCL's symmetric windows and its zero-CTA policy, "
+                         f"which {', '.join(off)} turn off or override: unset "
+                         f"{'them' if len(off) > 1 else 'it'}, or unset HOROVOD_ZERO_CE_ALLGATHER_BYTES.")
+
+
 def read(env=None) -> Settings:
     """Every variable of VARIABLES from `env` (default: os.environ), validated; the
     "zero" ones are checked here too, and read again by each optimizer."""
     values = _values(VARIABLES, env)
+    if values["elastic"] and values["ce_allgather_bytes"]:
+        # A copy-engine gather waits for its peers with stream memory operations, which no
+        # abort interrupts: a dead peer would leave the stream blocked and recovery hung.
+        raise ValueError("HOROVOD_ZERO_CE_ALLGATHER_BYTES cannot be used in an elastic job (HOROVOD_ELASTIC=1): "
+                         "a copy-engine allgather waiting for a lost peer cannot be interrupted, so the job could "
+                         "not recover. Unset it for elastic jobs.")
+    if values["ce_allgather_bytes"]:
+        _check_nccl_for_windows(os.environ if env is None else env)
     values["fixed"] = explicitly_set(TUNABLE, env)
     return Settings(**{f.name: values[f.name] for f in fields(Settings)})
 

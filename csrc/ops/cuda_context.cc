@@ -9,13 +9,15 @@
 namespace hvdz {
 
 CudaContext::CudaContext(std::unique_ptr<NcclCommunicator> comm, CopyStreams& copies, Allocator& alloc,
-                         const Params& params, const Logger& log)
+                         const Params& params, const Logger& log, std::atomic<int64_t>& windows)
     : comm_(std::move(comm)),
       alloc_(alloc),
       timeout_s_(params.transport_timeout_seconds),
       copy_stream_bytes_(params.copy_stream_bytes),
       log_(log),
-      copies_(copies) {
+      copies_(copies),
+      windows_(windows) {
+  windows_ += comm_->window_bytes();
   finalizer_ = std::thread([this] {
     UseFineTimerSlack();
     NameThisThread("hvdz-finalize");
@@ -30,6 +32,7 @@ CudaContext::~CudaContext() {
   }
   cv_.notify_all();
   finalizer_.join();  // every queued op has finished (or failed) by now
+  windows_ -= comm_->window_bytes();
 }
 
 Status CudaContext::WaitForInputs(const std::vector<TensorEntry>& entries) {

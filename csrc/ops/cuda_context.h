@@ -2,6 +2,7 @@
 // fusion buffers, and a finalizer thread that reports finished ops.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <memory>
@@ -28,8 +29,10 @@ class CudaContext : public DeviceContext {
   // streams: see [Note: copy streams]. `copies` belongs to the device and is shared
   // by the contexts of every process set on it (like the communicator's stream), so
   // that an op waits for another set's copy out to its tensors too.
+  // `windows` (the device's owner's, outliving this context) counts the bytes of every
+  // live context's allgather window.
   CudaContext(std::unique_ptr<NcclCommunicator> comm, CopyStreams& copies, Allocator& alloc, const Params& params,
-              const Logger& log);
+              const Logger& log, std::atomic<int64_t>& windows);
   NcclCommunicator& nccl() { return *comm_; }
   ~CudaContext() override;
 
@@ -65,6 +68,7 @@ class CudaContext : public DeviceContext {
   int64_t copy_stream_bytes_;
   const Logger& log_;
   CopyStreams& copies_;
+  std::atomic<int64_t>& windows_;
   std::vector<cudaEvent_t> ready_;                 // this op's input events
   std::vector<std::shared_ptr<void>> op_buffers_;  // this op's fusion buffers
   std::mutex mu_;

@@ -20,7 +20,7 @@ class GpuSupport {
   virtual Status RecordReadyEvent(int device, void* stream, std::shared_ptr<void>* event) = 0;
   // The GPUs this process sees.
   virtual int device_count() const = 0;
-  // Bytes the communicators made so far hold in allgather windows (outside torch's allocator).
+  // Bytes the live communicators hold in allgather windows (outside torch's allocator).
   virtual int64_t window_bytes() const = 0;
   // Background thread: the context of `device`, creating its NCCL communicator.
   // Every rank reaches this for the same response, so the collective init lines up.

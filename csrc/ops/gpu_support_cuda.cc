@@ -68,8 +68,7 @@ class CudaSupport : public GpuSupport {
     if (params_.ce_allgather_bytes > 0 && comm->window() == nullptr)
       HVDZ_LOG(log_, kWarning) << "HOROVOD_ZERO_CE_ALLGATHER_BYTES is set, but allgathers on cuda:" << device
                                << " keep NCCL's kernels: " << comm->window_note() << ".";
-    window_bytes_ += comm->window_bytes();
-    out->reset(new CudaContext(std::move(comm), *d->copies, alloc, params_, log_));
+    out->reset(new CudaContext(std::move(comm), *d->copies, alloc, params_, log_, window_bytes_));
     return Status::OK();
   }
 
@@ -80,7 +79,7 @@ class CudaSupport : public GpuSupport {
     HVDZ_RETURN_IF_ERROR(DeviceOf(from.nccl().device(), &d));
     std::unique_ptr<NcclCommunicator> comm;
     HVDZ_RETURN_IF_ERROR(NcclCommunicator::Split(from.nccl(), set_rank, &comm));
-    if (comm) out->reset(new CudaContext(std::move(comm), *d->copies, alloc, params_, log_));
+    if (comm) out->reset(new CudaContext(std::move(comm), *d->copies, alloc, params_, log_, window_bytes_));
     return Status::OK();
   }
 

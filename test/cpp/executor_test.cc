@@ -539,42 +539,53 @@ TEST(Executor, ALoneEvenAllgatherSendsFromItsSlotOfTheOutput) {
 }
 
 // [Note: copy-engine allgather]: an allgather whose fused buffer fits the window runs
-// there, rank-major from its base on every rank (lone and large tensors too), one
-// after another in the same window; one that does not fit, and every other op, plans
-// as without a window.
+// there, rank-major from its base on every rank, ahead of the plans without a buffer
+// (lone tensors, and a group large enough for a direct group), one after another in the
+// same window, up to a buffer of exactly the window's size; one that does not fit, and
+// every other op, plans as without a window.
 TEST(Executor, AllgathersThatFitTheWindowRunThroughItFromItsBase) {
   const int size = 3;
+  const int64_t n = 300000;  // 1.2 MB of floats a tensor: two make a direct group without a window
   testing::CollectiveHub hub(size);
   testing::Spawn(size, [&](int r) {
     Rank k(hub, r, /*groups=*/true);
-    k.ctx.window.assign(4096, 0);
-    const uint8_t* base = k.ctx.window.data();
     struct Case {
+      size_t window;
       GroupSpec g;
       bool in_window;
     };
     std::vector<Case> cases = {
-        {Group(kAG, kF32, kBF16, {T("w.cast.a", {5}), T("w.cast.b", {3, 2}, Out::kAllocated, true)}), true},
-        {Group(kAG, kF32, kF32, {T("w.lone", {100})}), true},
-        {Group(kAG, kF32, kF32, {T("w.lone.again", {7}, Out::kAllocated)}), true},
-        {Group(kAG, kF32, kF32, {T("w.too.big", {400})}), false},
-        {Group(kRS, kF32, kF32, {T("w.rs", {6, 2})}), false},
+        {4096, Group(kAG, kF32, kBF16, {T("w.cast.a", {5}), T("w.cast.b", {3, 2}, Out::kAllocated, true)}), true},
+        {4096, Group(kAG, kF32, kF32, {T("w.lone", {100})}), true},
+        {4096, Group(kAG, kF32, kF32, {T("w.lone.again", {7}, Out::kAllocated)}), true},
+        {4096, Group(kAG, kF32, kF32, {T("w.too.big", {400})}), false},
+        {4096, Group(kRS, kF32, kF32, {T("w.rs", {6, 2})}), false},
+        {size * 64 * 4, Group(kAG, kF32, kF32, {T("w.exact", {64})}), true},
+        {size * 64 * 4, Group(kAG, kF32, kF32, {T("w.one.over", {65})}), false},
+        {size * 2 * n * 4, Group(kAG, kF32, kF32, {T("w.direct.a", {n}), T("w.direct.b", {n})}), true},
+        {0, Group(kAG, kF32, kF32, {T("w.direct.c", {n}), T("w.direct.d", {n})}), false},
     };
     for (const auto& c : cases) {
+      k.ctx.window.assign(c.window, 0);
+      const uint8_t* base = k.ctx.window.data();
       const int uses = k.ctx.window_uses;
       k.Run(c.g);
       k.ExpectResults(c.g);
       const std::string what = c.g.tensors.front().name + " on rank " + std::to_string(r);
       EXPECT_EQ(k.ctx.window_uses - uses, c.in_window ? 1 : 0) << what;
-      const auto& call = k.comm.launches().back().calls.at(0);
+      const auto& calls = k.comm.launches().back().calls;
       if (c.in_window) {
-        EXPECT_EQ(call.recv, base) << what;
+        ASSERT_EQ(calls.size(), 1u) << what;
+        EXPECT_EQ(calls[0].recv, base) << what;
         // in place: this rank's segment of the window
-        EXPECT_EQ(static_cast<const uint8_t*>(call.send), base + r * call.count * DataTypeSize(c.g.out_dtype)) << what;
+        EXPECT_EQ(static_cast<const uint8_t*>(calls[0].send), base + r * calls[0].count * DataTypeSize(c.g.out_dtype))
+            << what;
       } else {
-        EXPECT_TRUE(call.recv < base || call.recv >= base + k.ctx.window.size()) << what;
+        EXPECT_TRUE(c.window == 0 || calls[0].recv < base || calls[0].recv >= base + c.window) << what;
       }
     }
+    // Without the window the same sizes make a direct group: one call per tensor.
+    EXPECT_EQ(k.comm.launches().back().calls.size(), 2u);
   });
 }
 

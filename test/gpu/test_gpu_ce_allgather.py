@@ -18,8 +18,10 @@ import test_zero_stage3 as s3
 pytestmark = pytest.mark.gpu
 
 WINDOW = 8 << 20
-# A small fusion threshold, so that the many gathers below make many window ops.
-CE_ENV = {"HOROVOD_ZERO_CE_ALLGATHER_BYTES": str(WINDOW), "HOROVOD_FUSION_THRESHOLD": str(1 << 20)}
+# A small fusion threshold, so that the many gathers below make many window ops; side copy
+# streams for every other fused op, so that a window op moved onto them would race.
+CE_ENV = {"HOROVOD_ZERO_CE_ALLGATHER_BYTES": str(WINDOW), "HOROVOD_FUSION_THRESHOLD": str(1 << 20),
+          "HOROVOD_ZERO_COPY_STREAM_BYTES": "1"}
 
 
 @pytest.fixture(params=on_gpus(1, 2))
@@ -81,3 +83,4 @@ def test_on_two_gpus_the_gather_runs_on_the_copy_engines():
     for ok, kernels in pool.run(_kernel_names):
         assert ok
         assert not [k for k in kernels if "allgather" in k.lower()], kernels
+        assert [k for k in kernels if "BatchedCopyKernel" in k], kernels  # the profile saw the gather's copies

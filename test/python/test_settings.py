@@ -39,6 +39,7 @@ BAD = [
     ("HOROVOD_ZERO_FUSED_STEP", "maybe", "1 or 0"),
     ("HOROVOD_ZERO_EXACT_GRADIENTS", "2", "1 or 0"),
     ("HOROVOD_TIMELINE_MARK_CYCLES", "yes", "1 or 0"),
+    ("HOROVOD_ZERO_CE_ALLGATHER_BYTES", "-1", "an integer >= 0"),
 ]
 
 
@@ -63,6 +64,21 @@ def test_every_bad_variable_is_named_in_one_error():
         settings.read(env)
     for name, value in env.items():
         assert f"{name}={value!r}" in str(e.value)
+
+
+def test_the_copy_engine_window_is_refused_in_an_elastic_job():
+    with pytest.raises(ValueError, match="HOROVOD_ZERO_CE_ALLGATHER_BYTES cannot be used in an elastic job"):
+        settings.read({"HOROVOD_ELASTIC": "1", "HOROVOD_ZERO_CE_ALLGATHER_BYTES": "134217728"})
+    assert settings.read({"HOROVOD_ZERO_CE_ALLGATHER_BYTES": "134217728"}).ce_allgather_bytes == 134217728
+    assert settings.read({"HOROVOD_ELASTIC": "1"}).ce_allgather_bytes == 0
+
+
+@pytest.mark.parametrize("nccl", ["NCCL_WIN_ENABLE=0", "NCCL_CUMEM_ENABLE=0", "NCCL_CTA_POLICY=1"])
+def test_the_copy_engine_window_is_refused_where_nccl_settings_turn_it_off(nccl):
+    k, v = nccl.split("=")
+    with pytest.raises(ValueError, match=f"{nccl} turn off or override: unset it"):
+        settings.read({"HOROVOD_ZERO_CE_ALLGATHER_BYTES": "134217728", k: v})
+    assert settings.read({k: v}).ce_allgather_bytes == 0  # no window asked for: NCCL's business
 
 
 def test_defaults_and_accepted_spellings():

@@ -99,6 +99,8 @@ NcclCommunicator::~NcclCommunicator() {
     CloseWindow();
     ncclCommDestroy(comm_);
   }
+  // After an abort the window is left allocated: copies still queued, here or by a peer,
+  // may yet touch it, and the job is ending (elastic jobs take no window).
 }
 
 Status NcclCommunicator::AsyncError() {

@@ -81,10 +81,12 @@ bool AllAgree(ControlPlane& cp, bool mine, int64_t window_bytes, const char* wha
 bool NcclCommunicator::WindowWanted(ControlPlane& cp, int64_t window_bytes, std::string* note) {
   int version = 0;
   // At least the warm-up gather's 16 bytes a rank (OpenWindow).
+  int driver = 0;
   const bool can = window_bytes >= 16 * cp.size() && NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0) &&
-                   ncclGetVersion(&version) == ncclSuccess && version >= NCCL_VERSION(2, 28, 0);
-  return AllAgree(cp, can, window_bytes, "has an NCCL older than 2.28 (built or loaded), or the window is under 16 "
-                  "bytes a rank", note);
+                   ncclGetVersion(&version) == ncclSuccess && version >= NCCL_VERSION(2, 28, 0) &&
+                   cudaDriverGetVersion(&driver) == cudaSuccess && driver >= 12050;
+  return AllAgree(cp, can, window_bytes, "has an NCCL older than 2.28 (built or loaded) or a CUDA driver older than "
+                  "12.5, or the window is under 16 bytes a rank", note);
 }
 
 Status NcclCommunicator::OpenWindow(ControlPlane& cp, int64_t window_bytes) {
@@ -99,18 +101,24 @@ Status NcclCommunicator::OpenWindow(ControlPlane& cp, int64_t window_bytes) {
   Status s = NcclStatus(ncclCommWindowRegister(comm_, buf, static_cast<size_t>(window_bytes), &win,
                                                NCCL_WIN_COLL_SYMMETRIC),
                         "ncclCommWindowRegister");
-  if (!s.ok()) {
+  if (s.ok() && win == nullptr) s = Status::Error("ncclCommWindowRegister returned no window");
+  if (s.ok()) {
+    window_buf_ = buf;
+    window_handle_ = win;
+    window_bytes_ = window_bytes;
+    // NCCL sets up its copy-engine state (more registered memory, collectively) at the
+    // first such allgather: one of 16 bytes a rank now, so that no training step pays it.
+    s = Allgather(static_cast<char*>(buf) + cp.rank() * 16, buf, 16, DataType::kUInt8);
+  } else {
     ncclMemFree(buf);
-    return s;
   }
-  window_buf_ = buf;
-  window_handle_ = win;
-  window_bytes_ = window_bytes;
-  // NCCL sets up its copy-engine state (more registered memory, collectively) at the
-  // first such allgather: one of 16 bytes a rank now, so that no training step pays it.
-  s = Allgather(static_cast<char*>(buf) + cp.rank() * 16, buf, 16, DataType::kUInt8);
-  if (s.ok()) s = CudaStatus(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
-  return s;
+  std::string why;
+  if (AllAgree(cp, s.ok(), window_bytes, "could not register the window or queue its first gather", &why))
+    return Status::OK();
+  // A peer's first gather may wait forever for this rank's: abort, so that nothing waits for it.
+  Abort();
+  return Status::Error("The copy-engine allgather window (HOROVOD_ZERO_CE_ALLGATHER_BYTES) could not be set up: " +
+                       why + (s.ok() ? "" : " (here: " + s.reason() + ")") + ". Unset the variable.");
 #else
   (void)cp;
   (void)window_bytes;
@@ -118,7 +126,7 @@ Status NcclCommunicator::OpenWindow(ControlPlane& cp, int64_t window_bytes) {
 #endif
 }
 
-// After the stream has drained; not after an abort (the communicator is gone then).
+// After the stream has drained; never after an abort (see the destructor).
 void NcclCommunicator::CloseWindow() {
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
   if (window_buf_ == nullptr) return;
