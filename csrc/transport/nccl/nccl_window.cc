@@ -79,9 +79,8 @@ bool AllAgree(ControlPlane& cp, bool mine, int64_t window_bytes, const char* wha
 // Asked on every rank, even one with no window, so that ranks set differently learn it
 // together instead of one waiting alone in the agreement.
 bool NcclCommunicator::WindowWanted(ControlPlane& cp, int64_t window_bytes, std::string* note) {
-  int version = 0;
+  int version = 0, driver = 0;
   // At least the warm-up gather's 16 bytes a rank (OpenWindow).
-  int driver = 0;
   const bool can = window_bytes >= 16 * cp.size() && NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0) &&
                    ncclGetVersion(&version) == ncclSuccess && version >= NCCL_VERSION(2, 28, 0) &&
                    cudaDriverGetVersion(&driver) == cudaSuccess && driver >= 12050;
