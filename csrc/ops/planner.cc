@@ -58,19 +58,22 @@ Status Planner::Plan(DeviceContext& ctx, const std::vector<const Response*>& gro
   const bool reduces = r.op == OpType::kAllreduce || r.op == OpType::kReducescatter;
   p->in = {{}, r.dtype, r.out_dtype, reduces ? r.prescale : 1.0};
   p->out = {{}, r.out_dtype, r.out_dtype, reduces ? postscale : 1.0};
-  std::vector<size_t> all(entries.size());
-  std::iota(all.begin(), all.end(), 0);
+  const auto all = [&] {
+    std::vector<size_t> idx(entries.size());
+    std::iota(idx.begin(), idx.end(), 0);
+    return idx;
+  };
   // Through the window whenever it holds the whole group, ahead of the plans without
   // a buffer: see [Note: copy-engine allgather] in transport/nccl/nccl_window.cc.
   if (r.op == OpType::kAllgather && ctx.WindowBytes() > 0 &&
       ComputeLayout(group, size_).total_elems * static_cast<int64_t>(DataTypeSize(r.out_dtype)) <= ctx.WindowBytes())
-    return AppendFused(ctx, g, all, p, /*window=*/true);
+    return AppendFused(ctx, g, all(), p, /*window=*/true);
   if (UseDirect(ctx, g)) return PlanDirect(ctx, g, p);
   if (LoneInPlace(g) || r.op == OpType::kAlltoall) {
     AppendInPlace(g, entries.front(), /*gather_in_place=*/true, /*scaled_send=*/nullptr, p);
     return Status::OK();
   }
-  return AppendFused(ctx, g, all, p);
+  return AppendFused(ctx, g, all(), p);
 }
 
 }  // namespace hvdz
