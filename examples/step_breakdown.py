@@ -3,7 +3,7 @@ into disjoint parts that add up to the step.
 
     optimizer   some kernel launched by optimizer.step() (or zero_grad()) runs
     compute     another non-communication kernel (or copy) runs, and no optimizer one
-    exposed     only communication kernels run: nothing hides them
+    exposed     only communication runs (NCCL's kernels, copies between GPUs): nothing hides it
     idle        nothing runs: the GPU waits for the host (hooks, launches, waits, syncs)
 
 `hidden` is the communication time that overlaps compute, reported apart. Comparing
@@ -25,14 +25,16 @@ _GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
 def is_comm(name):
-    return "nccl" in name.lower()
+    """NCCL's kernels, and copies from one GPU to another: NCCL's copy-engine collectives
+    (HOROVOD_ZERO_CE_ALLGATHER_BYTES) run as peer-to-peer memcpys, with no kernel."""
+    return "nccl" in name.lower() or name.startswith("Memcpy PtoP")
 
 
 def kernel_intervals(events, mark=OPTIMIZER_MARK):
     """[(start_us, end_us, kind)] of a Chrome trace's GPU events, kind one of "comm",
     "optimizer", "compute". A kernel is the optimizer's when the host thread that ran the
     `mark` range launched it inside that range (matched through the launch's correlation
-    id); communication is any NCCL kernel, whoever launched it."""
+    id); communication is any NCCL kernel or peer-to-peer copy, whoever launched it."""
     marks = [(e["ts"], e["ts"] + e["dur"], e["tid"]) for e in events
              if e.get("cat") == "user_annotation" and e.get("name") == mark]
     in_step = set()

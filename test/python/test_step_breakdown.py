@@ -49,6 +49,17 @@ def test_a_kernel_is_the_optimizers_when_the_marked_thread_launched_it_inside_th
                                            (330, 335, "comm"), (340, 342, "compute")]
 
 
+def test_copies_between_gpus_are_communication_and_copies_on_one_are_not():
+    # NCCL's copy-engine allgather runs as peer-to-peer memcpys, with no kernel.
+    events = [
+        {"cat": "gpu_memcpy", "name": "Memcpy PtoP (Device -> Device)", "tid": 7, "ts": 10, "dur": 4,
+         "args": {"correlation": 1}},
+        {"cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "tid": 7, "ts": 20, "dur": 3,
+         "args": {"correlation": 2}},
+    ]
+    assert sb.kernel_intervals(events) == [(10, 14, "comm"), (20, 23, "compute")]
+
+
 def test_torch_traces_carry_the_fields_the_breakdown_reads(tmp_path):
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU]) as prof:
