@@ -155,6 +155,9 @@ VARIABLES = (
              "bytes of a symmetric NCCL window per communicator through which CUDA allgathers that fit run on "
              "the copy engines instead of SMs (NCCL 2.28 or later, all ranks on one host); held outside "
              "torch's allocator; 0: off"),
+    Variable("HOROVOD_ZERO_GATHER_STREAM", "gather_stream", "core", _Bool(), False,
+             "1: CUDA allgathers run on a NCCL communicator and stream of their own, beside the other "
+             "collectives instead of queued behind them (ZeRO's parameter gathers beside its reduce-scatters)"),
     Variable("HOROVOD_AUTOTUNE", "autotune", "core", _Bool(), False,
              "1: tune the fusion threshold, the cycle time and ZeRO's bucket size and prefetch depth while the "
              "job runs (Bayesian optimisation, as Horovod's autotuner); settings given explicitly stay as given"),
@@ -236,6 +239,7 @@ class Settings:
     direct_max_tensors: int
     copy_stream_bytes: int
     ce_allgather_bytes: int
+    gather_stream: bool
     autotune: bool
     autotune_log: str
     autotune_warmup_samples: int
@@ -302,6 +306,10 @@ def read(env=None) -> Settings:
         raise ValueError("HOROVOD_ZERO_CE_ALLGATHER_BYTES cannot be used in an elastic job (HOROVOD_ELASTIC=1): "
                          "a copy-engine allgather waiting for a lost peer cannot be interrupted, so the job could "
                          "not recover. Unset it for elastic jobs.")
+    if values["ce_allgather_bytes"] and values["gather_stream"]:
+        # The window belongs to the communicator the other collectives use.
+        raise ValueError("HOROVOD_ZERO_CE_ALLGATHER_BYTES and HOROVOD_ZERO_GATHER_STREAM=1 cannot be combined: "
+                         "the copy-engine window is not on the gather stream's communicator. Set one of them.")
     if values["ce_allgather_bytes"]:
         _check_nccl_for_windows(os.environ if env is None else env)
     values["fixed"] = explicitly_set(TUNABLE, env)

@@ -473,6 +473,7 @@ class PyRuntime {
     d["direct_max_tensors"] = p.direct_max_tensors;
     d["copy_stream_bytes"] = p.copy_stream_bytes;
     d["ce_allgather_bytes"] = p.ce_allgather_bytes;
+    d["gather_stream"] = p.gather_stream;
     d["gather_window_bytes"] = rt_->gather_window_bytes();
     d["cuda"] = rt_->has_cuda();
     d["slow_path_cycles"] = rt_->slow_path_cycles();
@@ -676,6 +677,7 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("direct_max_tensors", &Params::direct_max_tensors)
       .def_readwrite("copy_stream_bytes", &Params::copy_stream_bytes)
       .def_readwrite("ce_allgather_bytes", &Params::ce_allgather_bytes)
+      .def_readwrite("gather_stream", &Params::gather_stream)
       .def_readwrite("autotune", &Params::autotune)
       .def_readwrite("autotune_log", &Params::autotune_log)
       .def_readwrite("autotune_warmup_samples", &Params::autotune_warmup_samples)

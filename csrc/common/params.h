@@ -25,6 +25,9 @@ struct Params {
   // HOROVOD_ZERO_CE_ALLGATHER_BYTES: each NCCL communicator's symmetric window for
   // copy-engine allgathers, see [Note: copy-engine allgather]; 0: none.
   int64_t ce_allgather_bytes = 0;
+  // HOROVOD_ZERO_GATHER_STREAM: CUDA allgathers on a communicator and stream of their
+  // own, beside the other collectives; see [Note: the gather lane] in ops/cuda_context.h.
+  bool gather_stream = false;
 
   // Autotuning (autotune/autotuner.h), Horovod's variables and one of ours.
   bool autotune = false;               // HOROVOD_AUTOTUNE

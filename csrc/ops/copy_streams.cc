@@ -32,14 +32,29 @@ void CopyStreams::Prune() {
 Status CopyStreams::OrderAfterPendingWrites(const std::vector<TensorEntry>& entries) {
   waits_.clear();
   Prune();
-  if (pending_.empty()) return Status::OK();
+  touched_.clear();
+  if (sibling_ != nullptr) {  // the other lane orders its ops after this one's whole op, see End()
+    for (const auto& en : entries) {
+      for (const TensorDesc* t : {&en.input, &en.output}) {
+        const auto b = reinterpret_cast<uintptr_t>(t->data);
+        if (t->data != nullptr && t->bytes() > 0) touched_.push_back({b, b + t->bytes()});
+      }
+    }
+  }
+  HVDZ_RETURN_IF_ERROR(WaitForOverlapping(pending_, entries));
+  // The sibling prunes its own list; a finished entry left there costs one more wait.
+  return sibling_ != nullptr ? WaitForOverlapping(sibling_->pending_, entries) : Status::OK();
+}
+
+Status CopyStreams::WaitForOverlapping(const std::deque<PendingWrites>& pending,
+                                       const std::vector<TensorEntry>& entries) {
   auto overlaps = [](const std::vector<Range>& rs, const TensorDesc& t) {
     const auto b = reinterpret_cast<uintptr_t>(t.data), e = b + t.bytes();
     for (const auto& r : rs)
       if (b < r.second && r.first < e) return true;
     return false;
   };
-  for (const auto& p : pending_) {
+  for (const auto& p : pending) {
     for (const auto& en : entries) {
       if (overlaps(p.ranges, en.input) || overlaps(p.ranges, en.output)) {
         HVDZ_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(collective_, p.done, 0), "cudaStreamWaitEvent"));
@@ -85,10 +100,12 @@ Status CopyStreams::AfterStream(const std::vector<CopyDesc>& written, size_t ele
 Status CopyStreams::End(cudaStream_t* last) {
   *last = wrote_after_ ? out_ : collective_;
   Status s;
-  if (wrote_after_) {
+  written_.insert(written_.end(), touched_.begin(), touched_.end());
+  touched_.clear();
+  if (!written_.empty()) {
     PendingWrites p{nullptr, std::move(written_)};
     s = CudaStatus(cudaEventCreateWithFlags(&p.done, cudaEventDisableTiming), "cudaEventCreate");
-    if (s.ok()) s = CudaStatus(cudaEventRecord(p.done, out_), "cudaEventRecord");
+    if (s.ok()) s = CudaStatus(cudaEventRecord(p.done, *last), "cudaEventRecord");
     if (s.ok()) pending_.push_back(std::move(p));
     else if (p.done) cudaEventDestroy(p.done);
   }

@@ -17,6 +17,11 @@
 //   first waits for that copy out; one stream gave that order for free.
 // - Small ops stay on the NCCL stream: the event waits would cost more than the
 //   copies they overlap.
+// - With a second collective stream (the gather lane, [Note: the gather lane] in
+//   ops/cuda_context.h) the two streams' copy streams are siblings: every op, fused or
+//   not, is pending on its stream until it is done, for all the bytes of its tensors,
+//   and an op on the other stream that touches any of them waits for it, as one
+//   stream would have ordered them.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -38,9 +43,13 @@ class CopyStreams {
   // the device current then (the caller's).
   explicit CopyStreams(cudaStream_t collective) : collective_(collective) {}
   ~CopyStreams();  // the caller has waited for all queued work
+  // The copy streams of the device's other collective stream (the gather lane's, see
+  // [Note: the gather lane] in ops/cuda_context.h), whose copies out this one's ops
+  // also wait for; it outlives this object or is unset first.
+  void set_sibling(const CopyStreams* other) { sibling_ = other; }
 
   // Start of every op: the collective stream (and this op's copy in, if it has one)
-  // waits for earlier copies out still writing any of the op's tensors.
+  // waits for earlier copies out still writing any of the op's tensors, its sibling's too.
   Status OrderAfterPendingWrites(const std::vector<TensorEntry>& entries);
   // For an op with a fusion buffer: `use` says whether it takes the side streams
   // (false: everything stays on the collective stream); returns the stream the
@@ -65,7 +74,10 @@ class CopyStreams {
   Status Open();
   void Prune();
 
+  Status WaitForOverlapping(const std::deque<PendingWrites>& pending, const std::vector<TensorEntry>& entries);
+
   cudaStream_t collective_;
+  const CopyStreams* sibling_ = nullptr;
   cudaStream_t in_ = nullptr;
   cudaStream_t out_ = nullptr;
   cudaEvent_t in_done_ = nullptr;
@@ -74,6 +86,7 @@ class CopyStreams {
   bool wrote_after_ = false;
   std::vector<cudaEvent_t> waits_;  // pending writes this op's copy in must wait for
   std::vector<Range> written_;      // this op's copies out
+  std::vector<Range> touched_;      // with a sibling: every tensor of this op
   std::deque<PendingWrites> pending_;
 };
 

@@ -8,16 +8,16 @@
 
 namespace hvdz {
 
-CudaContext::CudaContext(std::unique_ptr<NcclCommunicator> comm, CopyStreams& copies, Allocator& alloc,
-                         const Params& params, const Logger& log, std::atomic<int64_t>& windows)
-    : comm_(std::move(comm)),
+CudaContext::CudaContext(Lane main, GatherLane gathers, Allocator& alloc, const Params& params, const Logger& log,
+                         std::atomic<int64_t>& windows)
+    : lanes_{std::move(main), Lane{nullptr, gathers.copies}},
+      gathers_(gathers),
       alloc_(alloc),
       timeout_s_(params.transport_timeout_seconds),
       copy_stream_bytes_(params.copy_stream_bytes),
       log_(log),
-      copies_(copies),
       windows_(windows) {
-  windows_ += comm_->window_bytes();
+  windows_ += lanes_[0].comm->window_bytes();
   finalizer_ = std::thread([this] {
     UseFineTimerSlack();
     NameThisThread("hvdz-finalize");
@@ -32,18 +32,36 @@ CudaContext::~CudaContext() {
   }
   cv_.notify_all();
   finalizer_.join();  // every queued op has finished (or failed) by now
-  windows_ -= comm_->window_bytes();
+  windows_ -= lanes_[0].comm->window_bytes();
+}
+
+Status CudaContext::BeginOp(OpType op) {
+  lane_ = 0;
+  if (op != OpType::kAllgather || gathers_.stream == nullptr) return Status::OK();
+  if (!lanes_[1].comm) {
+    std::unique_ptr<NcclCommunicator> comm;
+    Status s = NcclCommunicator::Split(*lanes_[0].comm, lanes_[0].comm->rank(), &comm, gathers_.stream,
+                                       gathers_.max_ctas);
+    if (!s.ok()) {
+      gathers_.stream = nullptr;  // one lane from now on; this op fails
+      return s;
+    }
+    std::lock_guard<std::mutex> lk(comm_mu_);  // Abort() reads the lanes from another thread
+    lanes_[1].comm = std::move(comm);
+  }
+  lane_ = 1;
+  return Status::OK();
 }
 
 Status CudaContext::WaitForInputs(const std::vector<TensorEntry>& entries) {
-  HVDZ_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(comm_->device()), "cudaSetDevice"));
-  HVDZ_RETURN_IF_ERROR(copies_.OrderAfterPendingWrites(entries));
+  HVDZ_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(lane().comm->device()), "cudaSetDevice"));
+  HVDZ_RETURN_IF_ERROR(lane().copies->OrderAfterPendingWrites(entries));
   ready_.clear();
   for (const auto& e : entries) {
     auto ev = static_cast<cudaEvent_t>(e.ready_event.get());
     if (ev == nullptr || std::find(ready_.begin(), ready_.end(), ev) != ready_.end()) continue;
     ready_.push_back(ev);
-    HVDZ_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(comm_->stream(), ev, 0), "cudaStreamWaitEvent"));
+    HVDZ_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(stream(), ev, 0), "cudaStreamWaitEvent"));
   }
   return Status::OK();
 }
@@ -52,14 +70,15 @@ Status CudaContext::Copy(const std::vector<CopyDesc>& descs, DataType src, DataT
                          CopyStage stage) {
   if (!BatchedCopySupported(src, dst))
     return Status::InvalidArgument(std::string("No CUDA cast from ") + DataTypeName(src) + " to " + DataTypeName(dst) + ".");
-  cudaStream_t s = comm_->stream();
+  cudaStream_t s = stream();
+  CopyStreams& copies = *lane().copies;
   const bool before = stage == CopyStage::kBeforeCollective;
-  if (copies_.active()) {
-    HVDZ_RETURN_IF_ERROR(before ? copies_.BeforeStream(ready_, &s) : copies_.AfterStream(descs, DataTypeSize(dst), &s));
+  if (copies.active()) {
+    HVDZ_RETURN_IF_ERROR(before ? copies.BeforeStream(ready_, &s) : copies.AfterStream(descs, DataTypeSize(dst), &s));
   }
   HVDZ_RETURN_IF_ERROR(CudaStatus(LaunchBatchedCopy(descs.data(), static_cast<int>(descs.size()), src, dst, scale, s),
                                   "batched copy kernel"));
-  return copies_.active() && before ? copies_.BeforeLaunched() : Status::OK();
+  return copies.active() && before ? copies.BeforeLaunched() : Status::OK();
 }
 
 // [Note: stream-ordered fusion buffer]
@@ -71,10 +90,11 @@ Status CudaContext::Copy(const std::vector<CopyDesc>& descs, DataType src, DataT
 Status CudaContext::FusionBuffer(size_t bytes, void** ptr) {
   cudaStream_t stream;
   const bool side = copy_stream_bytes_ > 0 && static_cast<int64_t>(bytes) >= copy_stream_bytes_;
-  HVDZ_RETURN_IF_ERROR(copies_.Begin(side, &stream));
+  HVDZ_RETURN_IF_ERROR(lane().copies->Begin(side, &stream));
   TensorDesc d;
   std::shared_ptr<void> holder;
-  HVDZ_RETURN_IF_ERROR(alloc_.AllocateOnStream(comm_->device(), static_cast<int64_t>(bytes), stream, &d, &holder));
+  HVDZ_RETURN_IF_ERROR(
+      alloc_.AllocateOnStream(lane().comm->device(), static_cast<int64_t>(bytes), stream, &d, &holder));
   op_buffers_.push_back(std::move(holder));
   *ptr = d.data;
   return Status::OK();
@@ -85,16 +105,18 @@ Status CudaContext::FusionBuffer(size_t bytes, void** ptr) {
 // earlier op has yet to copy out.
 Status CudaContext::WindowBuffer(void** ptr) {
   cudaStream_t stream;
-  HVDZ_RETURN_IF_ERROR(copies_.Begin(false, &stream));
-  *ptr = comm_->window();
+  HVDZ_RETURN_IF_ERROR(lane().copies->Begin(false, &stream));
+  *ptr = lane().comm->window();
   return Status::OK();
 }
 
 void CudaContext::Finish(std::vector<TensorEntry> entries, const Status& s) {
   cudaStream_t last;
-  const bool side = copies_.active();
-  Status end = copies_.End(&last);
-  InFlight f{nullptr, std::move(entries), s.ok() ? end : s, Clock::now(), {}};
+  CopyStreams& copies = *lane().copies;
+  const bool side = copies.active();
+  Status end = copies.End(&last);
+  InFlight f{nullptr, lane().comm.get(), std::move(entries), s.ok() ? end : s, Clock::now(), {}};
+  lane_ = 0;  // until the next BeginOp: a stand-in's zeros (runtime_join.cc) go on the main lane
   cudaEvent_t ev = nullptr;
   Status rec = CudaStatus(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
   if (ev != nullptr) f.done = std::shared_ptr<void>(ev, [](void* p) { cudaEventDestroy(static_cast<cudaEvent_t>(p)); });
@@ -118,30 +140,36 @@ void CudaContext::Finish(std::vector<TensorEntry> entries, const Status& s) {
 
 void CudaContext::Abort() {
   std::lock_guard<std::mutex> lk(comm_mu_);
-  comm_->Abort();
+  AbortLanes();
+}
+
+// Both lanes at once: a kernel of the other lane may be waiting for the same dead peer.
+void CudaContext::AbortLanes() {
+  for (auto& l : lanes_)
+    if (l.comm) l.comm->Abort();
 }
 
 Status CudaContext::WaitFor(const InFlight& f) {
   if (f.done == nullptr) return Status::OK();
-  cudaSetDevice(comm_->device());
+  cudaSetDevice(f.comm->device());
   while (true) {
     cudaError_t q = cudaEventQuery(static_cast<cudaEvent_t>(f.done.get()));
     if (q == cudaSuccess) return Status::OK();
     if (q != cudaErrorNotReady) return CudaStatus(q, "cudaEventQuery");
     std::unique_lock<std::mutex> comm_lock(comm_mu_);
-    if (comm_->aborted())
+    if (f.comm->aborted())
       return Status::Aborted("NCCL collective for '" + f.entries.front().request.name +
                              "' was cut short: a peer failed and this rank's communicator was aborted.");
-    Status async = comm_->AsyncError();
+    Status async = f.comm->AsyncError();
     if (!async.ok()) {
-      comm_->Abort();
+      AbortLanes();
       return async;
     }
     comm_lock.unlock();
     const double waited_s = std::chrono::duration<double>(Clock::now() - f.launched).count();
     if (waited_s > timeout_s_) {
       std::lock_guard<std::mutex> again(comm_mu_);
-      comm_->Abort();
+      AbortLanes();
       return Status::Aborted("NCCL collective for '" + f.entries.front().request.name +
                              "' did not finish within HOROVOD_GLOO_TIMEOUT_SECONDS=" +
                              std::to_string(static_cast<int>(timeout_s_)) +

@@ -23,51 +23,95 @@ namespace hvdz {
 // callbacks, so the negotiation loop never blocks on the GPU. A collective that has
 // not finished within the transport timeout aborts the communicator, which turns a
 // dead peer into an error instead of a hang.
+//
+// [Note: the gather lane]
+// With HOROVOD_ZERO_GATHER_STREAM=1 a context has two lanes: CUDA allgathers run on a
+// second communicator (a split of the first, the same ranks) and the device's second
+// collective stream, and every other op on the first. On one stream a gather queues
+// behind the reductions issued before it: ZeRO-2's gathers of the new parameters
+// waited for backward's last reduce-scatter (the tied embedding's), and stage 3's
+// prefetches in backward for the reduce-scatters of the units after them.
+// - Order between lanes: an op waits for its inputs' ready events on its own lane, as
+//   before; two ops on the same bytes are ordered by the caller (synchronize, or a
+//   stream wait on the first op's event before the second is enqueued), which is
+//   Horovod's contract, or by the copy streams, which also wait for the other lane's
+//   pending copies out ([Note: copy streams]).
+// - Deadlock: NCCL kernels of two communicators may now run at the same time. Every
+//   rank issues them in the same order, and a kernel only waits for its peers' kernel
+//   of the same communicator, so both can always make progress if both fit on the
+//   GPU at once; the gather lane's kernels are capped at a quarter of the SMs, which
+//   leaves room beside the other lane's (at most 64 CTAs) on GPUs of 128 SMs or more.
+//   Smaller GPUs keep one lane.
+// - Each lane has its own copy streams, so a gather's copy in does not queue behind
+//   a reduction's copy in that waits for backward. The finalizer still sees ops in
+//   the order issued: an op on the faster lane is reported no earlier than the ops
+//   issued before it.
 class CudaContext : public DeviceContext {
  public:
+  // One lane's communicator and copy streams.
+  struct Lane {
+    std::unique_ptr<NcclCommunicator> comm;
+    CopyStreams* copies = nullptr;
+  };
+  // Where the gather lane's communicator goes once made: its stream (null: one lane),
+  // the cap on its kernels' CTAs, and its copy streams.
+  struct GatherLane {
+    cudaStream_t stream = nullptr;
+    int max_ctas = 0;
+    CopyStreams* copies = nullptr;
+  };
   // Fused ops whose buffer has at least `copy_stream_bytes` (> 0) copy on side
-  // streams: see [Note: copy streams]. `copies` belongs to the device and is shared
-  // by the contexts of every process set on it (like the communicator's stream), so
-  // that an op waits for another set's copy out to its tensors too.
+  // streams: see [Note: copy streams]. A lane's copies belong to the device and are
+  // shared by the contexts of every process set on it (like the communicator's
+  // stream), so that an op waits for another set's copy out to its tensors too.
+  // With a `gathers` stream, the CUDA allgathers run on a split of `main`'s
+  // communicator made at the first of them, collectively, as every member runs the
+  // same ops in the same order: a context that never gathers never pays for it.
   // `windows` (the device's owner's, outliving this context) counts the bytes of every
   // live context's allgather window.
-  CudaContext(std::unique_ptr<NcclCommunicator> comm, CopyStreams& copies, Allocator& alloc, const Params& params,
-              const Logger& log, std::atomic<int64_t>& windows);
-  NcclCommunicator& nccl() { return *comm_; }
+  CudaContext(Lane main, GatherLane gathers, Allocator& alloc, const Params& params, const Logger& log,
+              std::atomic<int64_t>& windows);
+  NcclCommunicator& nccl() { return *lanes_[0].comm; }
   ~CudaContext() override;
 
-  Communicator& comm() override { return *comm_; }
+  Status BeginOp(OpType op) override;
+  Communicator& comm() override { return *lane().comm; }
   Status WaitForInputs(const std::vector<TensorEntry>& entries) override;
   Status Copy(const std::vector<CopyDesc>& descs, DataType src, DataType dst, double scale, CopyStage stage) override;
   Status FusionBuffer(size_t bytes, void** ptr) override;
-  int64_t WindowBytes() const override { return comm_->window_bytes(); }
+  int64_t WindowBytes() const override { return lanes_[lane_].comm->window_bytes(); }
   Status WindowBuffer(void** ptr) override;
   void Finish(std::vector<TensorEntry> entries, const Status& s) override;
   // Every writer of an output (NCCL, or the copy-out stream after an event on it) is
   // ordered after earlier work on the NCCL stream.
-  void* OutputStream() override { return comm_->stream(); }
+  void* OutputStream() override { return lane().comm->stream(); }
   void Abort() override;
 
  private:
+  Lane& lane() { return lanes_[lane_]; }
+  cudaStream_t stream() { return lane().comm->stream(); }
   struct InFlight {
     std::shared_ptr<void> done;  // the cudaEvent_t after the op's last write; shared with its handles
+    NcclCommunicator* comm;      // its lane's
     std::vector<TensorEntry> entries;
     Status status;
     Clock::time_point launched;
     std::vector<std::shared_ptr<void>> buffers;  // held until done (copy streams only)
   };
   Status WaitFor(const InFlight& f);
+  void AbortLanes();  // comm_mu_ held
   void FinalizerLoop();
 
-  std::unique_ptr<NcclCommunicator> comm_;
-  // Guards comm_'s error queries and its abort: Abort() comes from another thread
-  // than the finalizer's, and an aborted communicator must not be queried again.
+  Lane lanes_[2];
+  GatherLane gathers_;
+  int lane_ = 0;  // the op's, from BeginOp to Finish (background thread)
+  // Guards the communicators' error queries and their abort: Abort() comes from another
+  // thread than the finalizer's, and an aborted communicator must not be queried again.
   std::mutex comm_mu_;
   Allocator& alloc_;
   double timeout_s_;
   int64_t copy_stream_bytes_;
   const Logger& log_;
-  CopyStreams& copies_;
   std::atomic<int64_t>& windows_;
   std::vector<cudaEvent_t> ready_;                 // this op's input events
   std::vector<std::shared_ptr<void>> op_buffers_;  // this op's fusion buffers

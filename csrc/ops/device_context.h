@@ -20,6 +20,10 @@ enum class CopyStage { kBeforeCollective, kAfterCollective };
 class DeviceContext {
  public:
   virtual ~DeviceContext() = default;
+  // Start of every op, before any other call for it: a CUDA context picks the
+  // communicator and stream the op runs on (see [Note: the gather lane] in
+  // ops/cuda_context.h); Finish ends the op, also one whose BeginOp failed.
+  virtual Status BeginOp(OpType) { return Status::OK(); }
   virtual Communicator& comm() = 0;
   // Orders later work after the producers of these inputs (CUDA: stream waits on
   // their ready events). CPU inputs are ready when enqueued.

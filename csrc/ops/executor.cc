@@ -91,7 +91,8 @@ Status Executor::Run(DeviceContext& ctx, const std::vector<const Response*>& gro
 
 void Executor::Execute(DeviceContext& ctx, const std::vector<const Response*>& group,
                        std::vector<TensorEntry> entries) {
-  Status s = Run(ctx, group, entries);
+  Status s = ctx.BeginOp(group.front()->op);
+  if (s.ok()) s = Run(ctx, group, entries);
   ctx.Finish(std::move(entries), s);
 }
 

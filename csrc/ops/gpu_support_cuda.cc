@@ -30,6 +30,10 @@ class DeviceGuard {
   bool changed_ = false;
 };
 
+// See [Note: the gather lane] in ops/cuda_context.h: a quarter of the SMs for the gather
+// lane's kernels plus NCCL's most CTAs (64) for the other lane's, with room to spare.
+constexpr int kGatherLaneMinSms = 128;
+
 class CudaSupport : public GpuSupport {
  public:
   CudaSupport(const Params& p, const Logger& log, int count) : params_(p), log_(log), count_(count) {}
@@ -39,8 +43,10 @@ class CudaSupport : public GpuSupport {
     for (auto& kv : free_events_)
       for (auto ev : kv.second) cudaEventDestroy(ev);
     for (auto& kv : devices_) {
+      kv.second.gather_copies.reset();  // holds a pointer to the other
       kv.second.copies.reset();
       cudaStreamDestroy(kv.second.stream);
+      if (kv.second.gather_stream) cudaStreamDestroy(kv.second.gather_stream);
     }
   }
 
@@ -68,7 +74,8 @@ class CudaSupport : public GpuSupport {
     if (params_.ce_allgather_bytes > 0 && comm->window() == nullptr)
       HVDZ_LOG(log_, kWarning) << "HOROVOD_ZERO_CE_ALLGATHER_BYTES is set, but allgathers on cuda:" << device
                                << " keep NCCL's kernels: " << comm->window_note() << ".";
-    out->reset(new CudaContext(std::move(comm), *d->copies, alloc, params_, log_, window_bytes_));
+    out->reset(new CudaContext({std::move(comm), d->copies.get()}, GatherLaneOf(*d), alloc, params_, log_,
+                               window_bytes_));
     return Status::OK();
   }
 
@@ -79,7 +86,9 @@ class CudaSupport : public GpuSupport {
     HVDZ_RETURN_IF_ERROR(DeviceOf(from.nccl().device(), &d));
     std::unique_ptr<NcclCommunicator> comm;
     HVDZ_RETURN_IF_ERROR(NcclCommunicator::Split(from.nccl(), set_rank, &comm));
-    if (comm) out->reset(new CudaContext(std::move(comm), *d->copies, alloc, params_, log_, window_bytes_));
+    if (comm)
+      out->reset(new CudaContext({std::move(comm), d->copies.get()}, GatherLaneOf(*d), alloc, params_, log_,
+                                 window_bytes_));
     return Status::OK();
   }
 
@@ -88,6 +97,10 @@ class CudaSupport : public GpuSupport {
   struct Device {
     cudaStream_t stream = nullptr;  // the collective stream of every communicator
     std::unique_ptr<CopyStreams> copies;
+    // The gather lane's ([Note: the gather lane] in ops/cuda_context.h); null: one lane.
+    cudaStream_t gather_stream = nullptr;
+    std::unique_ptr<CopyStreams> gather_copies;
+    int gather_ctas = 0;  // the cap on its kernels' CTAs
   };
 
   // Background thread only (contexts are made there).
@@ -106,9 +119,35 @@ class CudaSupport : public GpuSupport {
       HVDZ_RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithPriority(&d.stream, cudaStreamNonBlocking, hi),
                                       "cudaStreamCreateWithPriority"));
       d.copies = std::make_unique<CopyStreams>(d.stream);
+      if (params_.gather_stream) HVDZ_RETURN_IF_ERROR(OpenGatherLane(device, hi, &d));
       it = devices_.emplace(device, std::move(d)).first;
     }
     *out = &it->second;
+    return Status::OK();
+  }
+
+  static CudaContext::GatherLane GatherLaneOf(const Device& d) {
+    return {d.gather_stream, d.gather_ctas, d.gather_copies.get()};
+  }
+
+  // Leaves `d` with one lane on a GPU too small for two NCCL kernels side by side, as
+  // every rank's GPU is of the same kind, all ranks decide alike.
+  Status OpenGatherLane(int device, int priority, Device* d) {
+    int sms = 0;
+    HVDZ_RETURN_IF_ERROR(
+        CudaStatus(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute"));
+    if (sms < kGatherLaneMinSms) {
+      HVDZ_LOG(log_, kWarning) << "HOROVOD_ZERO_GATHER_STREAM=1 is ignored on cuda:" << device << ": its " << sms
+                               << " SMs are too few to run two NCCL kernels side by side safely (at least "
+                               << kGatherLaneMinSms << ").";
+      return Status::OK();
+    }
+    HVDZ_RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithPriority(&d->gather_stream, cudaStreamNonBlocking, priority),
+                                    "cudaStreamCreateWithPriority"));
+    d->gather_copies = std::make_unique<CopyStreams>(d->gather_stream);
+    d->gather_copies->set_sibling(d->copies.get());
+    d->copies->set_sibling(d->gather_copies.get());
+    d->gather_ctas = sms / 4;
     return Status::OK();
   }
 

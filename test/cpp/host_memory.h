@@ -41,7 +41,14 @@ struct CopyRecord {
 class RecordingContext : public DeviceContext {
  public:
   explicit RecordingContext(DeviceContext& inner) : inner_(inner) {}
-  Communicator& comm() override { return inner_.comm(); }
+  Status BeginOp(OpType op) override {
+    begun.push_back(op);
+    return inner_.BeginOp(op);
+  }
+  Communicator& comm() override {
+    comm_after.push_back(begun.size());
+    return inner_.comm();
+  }
   Status WaitForInputs(const std::vector<TensorEntry>& entries) override { return inner_.WaitForInputs(entries); }
   Status Copy(const std::vector<CopyDesc>& descs, DataType src, DataType dst, double scale, CopyStage stage) override {
     copies.push_back({stage, descs.size(), src, dst, scale});
@@ -49,6 +56,7 @@ class RecordingContext : public DeviceContext {
   }
   Status FusionBuffer(size_t bytes, void** ptr) override {
     buffers.push_back(bytes);
+    buffer_after.push_back(begun.size());
     return inner_.FusionBuffer(bytes, ptr);
   }
   int64_t WindowBytes() const override { return static_cast<int64_t>(window.size()); }
@@ -61,6 +69,9 @@ class RecordingContext : public DeviceContext {
 
   std::vector<CopyRecord> copies;
   std::vector<size_t> buffers;
+  std::vector<OpType> begun;          // BeginOp's ops, in order
+  std::vector<size_t> comm_after;     // begun.size() at each comm() call
+  std::vector<size_t> buffer_after;   // and at each FusionBuffer() call
   std::vector<uint8_t> window;  // a stand-in for an NCCL window: empty, none
   int window_uses = 0;
 

@@ -12,8 +12,7 @@ import horovod_zero.torch as hvd
 from gpu_trace import profiled_events
 from harness import on_gpus, shared_pool
 from refs import make
-from test_gpu_stage3 import _parity_on
-import test_zero_stage3 as s3
+from test_gpu_stage3 import check_stage3_trains_to_the_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -59,11 +58,7 @@ def test_allgathers_through_the_window_match_torch(gpus_ce):
 
 
 def test_stage3_through_the_window_matches_the_reference(gpus_ce):
-    trained = sorted(n for n, p in s3.Net().named_parameters() if p.requires_grad)
-    for on_device, errs, moved, _ in gpus_ce.run(_parity_on, "cuda", 1, None):
-        assert on_device
-        assert max(errs.values()) < 1e-5, errs
-        assert moved == trained, moved
+    check_stage3_trains_to_the_reference(gpus_ce)
 
 
 def _kernel_names():

@@ -74,19 +74,25 @@ Status NcclCommunicator::Create(int device, ControlPlane& cp, cudaStream_t strea
   return Status::OK();
 }
 
-Status NcclCommunicator::Split(NcclCommunicator& parent, int key, std::unique_ptr<NcclCommunicator>* out) {
+Status NcclCommunicator::Split(NcclCommunicator& parent, int key, std::unique_ptr<NcclCommunicator>* out,
+                               cudaStream_t stream, int max_ctas) {
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 18, 0)
   HVDZ_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(parent.device_), "cudaSetDevice"));
   ncclComm_t comm = nullptr;
   const int color = key >= 0 ? 0 : NCCL_SPLIT_NOCOLOR;
-  HVDZ_RETURN_IF_ERROR(NcclStatus(ncclCommSplit(parent.comm_, color, key >= 0 ? key : 0, &comm, nullptr),
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  if (max_ctas > 0) config.maxCTAs = max_ctas;
+  HVDZ_RETURN_IF_ERROR(NcclStatus(ncclCommSplit(parent.comm_, color, key >= 0 ? key : 0, &comm,
+                                                max_ctas > 0 ? &config : nullptr),
                                   "ncclCommSplit"));
-  if (comm != nullptr) out->reset(new NcclCommunicator(parent.device_, comm, parent.stream_));
+  if (comm != nullptr) out->reset(new NcclCommunicator(parent.device_, comm, stream ? stream : parent.stream_));
   return Status::OK();
 #else
   (void)parent;
   (void)key;
   (void)out;
+  (void)stream;
+  (void)max_ctas;
   return Status::Error("this NCCL has no ncclCommSplit (2.18 or later)");
 #endif
 }
