@@ -474,6 +474,7 @@ class PyRuntime {
     d["copy_stream_bytes"] = p.copy_stream_bytes;
     d["ce_allgather_bytes"] = p.ce_allgather_bytes;
     d["gather_stream"] = p.gather_stream;
+    d["gather_lanes"] = rt_->gather_lanes();
     d["gather_window_bytes"] = rt_->gather_window_bytes();
     d["cuda"] = rt_->has_cuda();
     d["slow_path_cycles"] = rt_->slow_path_cycles();

@@ -8,16 +8,17 @@
 
 namespace hvdz {
 
-CudaContext::CudaContext(Lane main, GatherLane gathers, Allocator& alloc, const Params& params, const Logger& log,
-                         std::atomic<int64_t>& windows)
-    : lanes_{std::move(main), Lane{nullptr, gathers.copies}},
-      gathers_(gathers),
+CudaContext::CudaContext(Lane main, Lane gathers, Allocator& alloc, const Params& params, const Logger& log,
+                         std::atomic<int64_t>& windows, std::atomic<int>& lanes)
+    : lanes_{std::move(main), std::move(gathers)},
       alloc_(alloc),
       timeout_s_(params.transport_timeout_seconds),
       copy_stream_bytes_(params.copy_stream_bytes),
       log_(log),
-      windows_(windows) {
+      windows_(windows),
+      gather_lanes_(lanes) {
   windows_ += lanes_[0].comm->window_bytes();
+  if (lanes_[1].comm) ++gather_lanes_;
   finalizer_ = std::thread([this] {
     UseFineTimerSlack();
     NameThisThread("hvdz-finalize");
@@ -33,24 +34,7 @@ CudaContext::~CudaContext() {
   cv_.notify_all();
   finalizer_.join();  // every queued op has finished (or failed) by now
   windows_ -= lanes_[0].comm->window_bytes();
-}
-
-Status CudaContext::BeginOp(OpType op) {
-  lane_ = 0;
-  if (op != OpType::kAllgather || gathers_.stream == nullptr) return Status::OK();
-  if (!lanes_[1].comm) {
-    std::unique_ptr<NcclCommunicator> comm;
-    Status s = NcclCommunicator::Split(*lanes_[0].comm, lanes_[0].comm->rank(), &comm, gathers_.stream,
-                                       gathers_.max_ctas);
-    if (!s.ok()) {
-      gathers_.stream = nullptr;  // one lane from now on; this op fails
-      return s;
-    }
-    std::lock_guard<std::mutex> lk(comm_mu_);  // Abort() reads the lanes from another thread
-    lanes_[1].comm = std::move(comm);
-  }
-  lane_ = 1;
-  return Status::OK();
+  if (lanes_[1].comm) --gather_lanes_;
 }
 
 Status CudaContext::WaitForInputs(const std::vector<TensorEntry>& entries) {
@@ -143,6 +127,12 @@ void CudaContext::Abort() {
   AbortLanes();
 }
 
+Status CudaContext::LanesAsyncError() {
+  for (auto& l : lanes_)
+    if (l.comm) HVDZ_RETURN_IF_ERROR(l.comm->AsyncError());
+  return Status::OK();
+}
+
 // Both lanes at once: a kernel of the other lane may be waiting for the same dead peer.
 void CudaContext::AbortLanes() {
   for (auto& l : lanes_)
@@ -160,7 +150,8 @@ Status CudaContext::WaitFor(const InFlight& f) {
     if (f.comm->aborted())
       return Status::Aborted("NCCL collective for '" + f.entries.front().request.name +
                              "' was cut short: a peer failed and this rank's communicator was aborted.");
-    Status async = f.comm->AsyncError();
+    // Either lane's: a dead peer may show on the other communicator first.
+    Status async = LanesAsyncError();
     if (!async.ok()) {
       AbortLanes();
       return async;

@@ -27,7 +27,11 @@ namespace hvdz {
 // [Note: the gather lane]
 // With HOROVOD_ZERO_GATHER_STREAM=1 a context has two lanes: CUDA allgathers run on a
 // second communicator (a split of the first, the same ranks) and the device's second
-// collective stream, and every other op on the first. On one stream a gather queues
+// collective stream, and every other op on the first. The split is made with the
+// context, only where every rank of the set asked for it on a large enough GPU and
+// every rank's split worked (agreed over the control plane; a set split from another
+// splits the parent's gather communicator), so no rank runs a gather on a lane that
+// another lacks. On one stream a gather queues
 // behind the reductions issued before it: ZeRO-2's gathers of the new parameters
 // waited for backward's last reduce-scatter (the tied embedding's), and stage 3's
 // prefetches in backward for the reduce-scatters of the units after them.
@@ -53,28 +57,25 @@ class CudaContext : public DeviceContext {
     std::unique_ptr<NcclCommunicator> comm;
     CopyStreams* copies = nullptr;
   };
-  // Where the gather lane's communicator goes once made: its stream (null: one lane),
-  // the cap on its kernels' CTAs, and its copy streams.
-  struct GatherLane {
-    cudaStream_t stream = nullptr;
-    int max_ctas = 0;
-    CopyStreams* copies = nullptr;
-  };
   // Fused ops whose buffer has at least `copy_stream_bytes` (> 0) copy on side
   // streams: see [Note: copy streams]. A lane's copies belong to the device and are
   // shared by the contexts of every process set on it (like the communicator's
   // stream), so that an op waits for another set's copy out to its tensors too.
-  // With a `gathers` stream, the CUDA allgathers run on a split of `main`'s
-  // communicator made at the first of them, collectively, as every member runs the
-  // same ops in the same order: a context that never gathers never pays for it.
+  // `gathers` (its comm null: one lane) takes the CUDA allgathers. `lanes` (the
+  // device's owner's, outliving this context) counts the live contexts with two lanes.
   // `windows` (the device's owner's, outliving this context) counts the bytes of every
   // live context's allgather window.
-  CudaContext(Lane main, GatherLane gathers, Allocator& alloc, const Params& params, const Logger& log,
-              std::atomic<int64_t>& windows);
+  CudaContext(Lane main, Lane gathers, Allocator& alloc, const Params& params, const Logger& log,
+              std::atomic<int64_t>& windows, std::atomic<int>& lanes);
   NcclCommunicator& nccl() { return *lanes_[0].comm; }
+  // The gather lane's communicator, or nullptr.
+  NcclCommunicator* gather_nccl() { return lanes_[1].comm.get(); }
   ~CudaContext() override;
 
-  Status BeginOp(OpType op) override;
+  Status BeginOp(OpType op) override {
+    lane_ = op == OpType::kAllgather && lanes_[1].comm ? 1 : 0;
+    return Status::OK();
+  }
   Communicator& comm() override { return *lane().comm; }
   Status WaitForInputs(const std::vector<TensorEntry>& entries) override;
   Status Copy(const std::vector<CopyDesc>& descs, DataType src, DataType dst, double scale, CopyStage stage) override;
@@ -100,10 +101,10 @@ class CudaContext : public DeviceContext {
   };
   Status WaitFor(const InFlight& f);
   void AbortLanes();  // comm_mu_ held
+  Status LanesAsyncError();  // comm_mu_ held
   void FinalizerLoop();
 
   Lane lanes_[2];
-  GatherLane gathers_;
   int lane_ = 0;  // the op's, from BeginOp to Finish (background thread)
   // Guards the communicators' error queries and their abort: Abort() comes from another
   // thread than the finalizer's, and an aborted communicator must not be queried again.
@@ -113,6 +114,7 @@ class CudaContext : public DeviceContext {
   int64_t copy_stream_bytes_;
   const Logger& log_;
   std::atomic<int64_t>& windows_;
+  std::atomic<int>& gather_lanes_;
   std::vector<cudaEvent_t> ready_;                 // this op's input events
   std::vector<std::shared_ptr<void>> op_buffers_;  // this op's fusion buffers
   std::mutex mu_;

@@ -22,6 +22,8 @@ class GpuSupport {
   virtual int device_count() const = 0;
   // Bytes the live communicators hold in allgather windows (outside torch's allocator).
   virtual int64_t window_bytes() const = 0;
+  // CUDA contexts alive with a gather lane ([Note: the gather lane] in ops/cuda_context.h).
+  virtual int gather_lanes() const = 0;
   // Background thread: the context of `device`, creating its NCCL communicator.
   // Every rank reaches this for the same response, so the collective init lines up.
   virtual Status CreateContext(int device, ControlPlane& cp, Allocator& alloc,

@@ -1,5 +1,6 @@
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <memory>
 #include <mutex>
@@ -65,6 +66,7 @@ class CudaSupport : public GpuSupport {
 
   int device_count() const override { return count_; }
   int64_t window_bytes() const override { return window_bytes_.load(); }
+  int gather_lanes() const override { return gather_lanes_.load(); }
 
   Status CreateContext(int device, ControlPlane& cp, Allocator& alloc, std::unique_ptr<DeviceContext>* out) override {
     Device* d = nullptr;
@@ -74,8 +76,10 @@ class CudaSupport : public GpuSupport {
     if (params_.ce_allgather_bytes > 0 && comm->window() == nullptr)
       HVDZ_LOG(log_, kWarning) << "HOROVOD_ZERO_CE_ALLGATHER_BYTES is set, but allgathers on cuda:" << device
                                << " keep NCCL's kernels: " << comm->window_note() << ".";
-    out->reset(new CudaContext({std::move(comm), d->copies.get()}, GatherLaneOf(*d), alloc, params_, log_,
-                               window_bytes_));
+    std::unique_ptr<NcclCommunicator> gathers;
+    HVDZ_RETURN_IF_ERROR(OpenGatherComm(*d, cp, *comm, &gathers));
+    out->reset(new CudaContext({std::move(comm), d->copies.get()}, {std::move(gathers), d->gather_copies.get()},
+                               alloc, params_, log_, window_bytes_, gather_lanes_));
     return Status::OK();
   }
 
@@ -86,9 +90,14 @@ class CudaSupport : public GpuSupport {
     HVDZ_RETURN_IF_ERROR(DeviceOf(from.nccl().device(), &d));
     std::unique_ptr<NcclCommunicator> comm;
     HVDZ_RETURN_IF_ERROR(NcclCommunicator::Split(from.nccl(), set_rank, &comm));
+    // Every rank of the parent has its gather lane, or none has: each splits it too.
+    std::unique_ptr<NcclCommunicator> gathers;
+    if (from.gather_nccl() != nullptr)
+      HVDZ_RETURN_IF_ERROR(
+          NcclCommunicator::Split(*from.gather_nccl(), set_rank, &gathers, d->gather_stream, d->gather_ctas));
     if (comm)
-      out->reset(new CudaContext({std::move(comm), d->copies.get()}, GatherLaneOf(*d), alloc, params_, log_,
-                                 window_bytes_));
+      out->reset(new CudaContext({std::move(comm), d->copies.get()}, {std::move(gathers), d->gather_copies.get()},
+                                 alloc, params_, log_, window_bytes_, gather_lanes_));
     return Status::OK();
   }
 
@@ -126,24 +135,60 @@ class CudaSupport : public GpuSupport {
     return Status::OK();
   }
 
-  static CudaContext::GatherLane GatherLaneOf(const Device& d) {
-    return {d.gather_stream, d.gather_ctas, d.gather_copies.get()};
+  // [Note: the gather lane] in ops/cuda_context.h: a split of `comm` on the device's
+  // gather stream, made only where every rank of `cp` can and all splits worked. Every
+  // rank takes part in both rounds, also one that did not ask for the lane.
+  Status OpenGatherComm(const Device& d, ControlPlane& cp, NcclCommunicator& comm,
+                        std::unique_ptr<NcclCommunicator>* out) {
+    bool all = false;
+    HVDZ_RETURN_IF_ERROR(AllSay(cp, d.gather_stream != nullptr, &all));
+    if (!all) {
+      if (d.gather_stream != nullptr)
+        HVDZ_LOG(log_, kWarning) << "HOROVOD_ZERO_GATHER_STREAM=1 is ignored for a set of " << cp.size()
+                                 << " ranks: not every rank asked for it on a GPU of " << kGatherLaneMinSms
+                                 << " SMs or more. Set it alike on every rank.";
+      return Status::OK();
+    }
+    Status s = NcclCommunicator::Split(comm, cp.rank(), out, d.gather_stream, d.gather_ctas);
+    HVDZ_RETURN_IF_ERROR(AllSay(cp, s.ok(), &all));
+    if (all) return Status::OK();
+    if (*out) (*out)->Abort();  // no collective teardown with ranks whose split failed
+    out->reset();
+    HVDZ_LOG(log_, kWarning) << "HOROVOD_ZERO_GATHER_STREAM=1: the gather stream's communicator could not be made on "
+                             << "every rank" << (s.ok() ? "" : " (here: " + s.reason() + ")")
+                             << "; allgathers share the other collectives' stream.";
+    return Status::OK();
   }
 
-  // Leaves `d` with one lane on a GPU too small for two NCCL kernels side by side, as
-  // every rank's GPU is of the same kind, all ranks decide alike.
+  // Whether every rank of `cp` says yes.
+  static Status AllSay(ControlPlane& cp, bool mine, bool* all) {
+    std::vector<uint8_t> says;
+    HVDZ_RETURN_IF_ERROR(cp.Allgather({static_cast<uint8_t>(mine ? 1 : 0)}, &says));
+    *all = std::all_of(says.begin(), says.end(), [](uint8_t b) { return b == 1; });
+    return Status::OK();
+  }
+
+  // Leaves `d` with one lane on a GPU too small for two NCCL kernels side by side, or
+  // where the stream cannot be made; the ranks of a set then agree (OpenGatherComm).
   Status OpenGatherLane(int device, int priority, Device* d) {
     int sms = 0;
-    HVDZ_RETURN_IF_ERROR(
-        CudaStatus(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute"));
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+      cudaGetLastError();
+      sms = 0;
+    }
     if (sms < kGatherLaneMinSms) {
       HVDZ_LOG(log_, kWarning) << "HOROVOD_ZERO_GATHER_STREAM=1 is ignored on cuda:" << device << ": its " << sms
                                << " SMs are too few to run two NCCL kernels side by side safely (at least "
                                << kGatherLaneMinSms << ").";
       return Status::OK();
     }
-    HVDZ_RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithPriority(&d->gather_stream, cudaStreamNonBlocking, priority),
-                                    "cudaStreamCreateWithPriority"));
+    Status s = CudaStatus(cudaStreamCreateWithPriority(&d->gather_stream, cudaStreamNonBlocking, priority),
+                          "cudaStreamCreateWithPriority");
+    if (!s.ok()) {
+      d->gather_stream = nullptr;
+      HVDZ_LOG(log_, kWarning) << "HOROVOD_ZERO_GATHER_STREAM=1 is ignored on cuda:" << device << ": " << s.reason();
+      return Status::OK();
+    }
     d->gather_copies = std::make_unique<CopyStreams>(d->gather_stream);
     d->gather_copies->set_sibling(d->copies.get());
     d->copies->set_sibling(d->gather_copies.get());
@@ -169,6 +214,7 @@ class CudaSupport : public GpuSupport {
   const Logger& log_;
   const int count_;
   std::atomic<int64_t> window_bytes_{0};
+  std::atomic<int> gather_lanes_{0};
   std::mutex pool_mu_;
   std::unordered_map<int, std::vector<cudaEvent_t>> free_events_;
   std::unordered_map<int, Device> devices_;

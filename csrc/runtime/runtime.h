@@ -89,6 +89,7 @@ class Runtime {
   bool has_cuda() const { return gpu_ != nullptr; }
   // NCCL allgather windows held, see [Note: copy-engine allgather].
   int64_t gather_window_bytes() const { return gpu_ ? gpu_->window_bytes() : 0; }
+  int gather_lanes() const { return gpu_ ? gpu_->gather_lanes() : 0; }
   uint64_t slow_path_cycles() const;  // the global set's
   int64_t cpu_fusion_buffer_bytes() const;  // every set's
   const char* control_plane_kind() const { return control_kind_; }

@@ -539,21 +539,22 @@ TEST(Executor, ALoneEvenAllgatherSendsFromItsSlotOfTheOutput) {
 }
 
 // [Note: the gather lane]: a CUDA context picks an op's communicator and stream at
-// BeginOp, so the executor names each op's type before it asks for the communicator
-// or a buffer, once per op, in the order run.
+// BeginOp, so the executor names each op's type before it allocates outputs, waits for
+// inputs or asks for the communicator or a buffer, once per op, in the order run.
 TEST(Executor, NamesEachOpToTheContextBeforeUsingIt) {
   const int size = 2;
   testing::CollectiveHub hub(size);
   testing::Spawn(size, [&](int r) {
     Rank k(hub, r, /*groups=*/true);
     const std::vector<GroupSpec> groups = {
-        Group(kAG, kF32, kBF16, {T("b.ag.a", {5}), T("b.ag.b", {3, 2})}),
-        Group(kRS, kF32, kF32, {T("b.rs", {6, 2})}),
+        Group(kAG, kF32, kBF16, {T("b.ag.a", {5}, Out::kAllocated), T("b.ag.b", {3, 2})}),
+        Group(kRS, kF32, kF32, {T("b.rs", {6, 2}, Out::kAllocated)}),
         Group(kAR, kF32, kF32, {T("b.ar.a", {5}, Out::kInPlace), T("b.ar.b", {3})}),
-        Group(kAG, kF32, kF32, {T("b.ag.lone", {7})}),
+        Group(kAG, kF32, kF32, {T("b.ag.lone", {7}, Out::kAllocated)}),
     };
     for (size_t i = 0; i < groups.size(); ++i) {
       const size_t comms = k.ctx.comm_after.size(), buffers = k.ctx.buffer_after.size();
+      const size_t waits = k.ctx.wait_after.size(), outputs = k.ctx.output_after.size();
       k.Run(groups[i]);
       k.ExpectResults(groups[i]);
       ASSERT_EQ(k.ctx.begun.size(), i + 1);
@@ -561,6 +562,11 @@ TEST(Executor, NamesEachOpToTheContextBeforeUsingIt) {
       ASSERT_GT(k.ctx.comm_after.size(), comms) << i;
       for (size_t j = comms; j < k.ctx.comm_after.size(); ++j) EXPECT_EQ(k.ctx.comm_after[j], i + 1) << i;
       for (size_t j = buffers; j < k.ctx.buffer_after.size(); ++j) EXPECT_EQ(k.ctx.buffer_after[j], i + 1) << i;
+      ASSERT_EQ(k.ctx.wait_after.size(), waits + 1) << i;
+      EXPECT_EQ(k.ctx.wait_after.back(), i + 1) << i;
+      // the groups but the allreduce allocate an output: on the op's stream
+      EXPECT_EQ(k.ctx.output_after.size() - outputs, groups[i].op == kAR ? 0u : 1u) << i;
+      for (size_t j = outputs; j < k.ctx.output_after.size(); ++j) EXPECT_EQ(k.ctx.output_after[j], i + 1) << i;
     }
   });
 }

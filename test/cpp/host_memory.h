@@ -49,7 +49,14 @@ class RecordingContext : public DeviceContext {
     comm_after.push_back(begun.size());
     return inner_.comm();
   }
-  Status WaitForInputs(const std::vector<TensorEntry>& entries) override { return inner_.WaitForInputs(entries); }
+  Status WaitForInputs(const std::vector<TensorEntry>& entries) override {
+    wait_after.push_back(begun.size());
+    return inner_.WaitForInputs(entries);
+  }
+  void* OutputStream() override {
+    output_after.push_back(begun.size());
+    return inner_.OutputStream();
+  }
   Status Copy(const std::vector<CopyDesc>& descs, DataType src, DataType dst, double scale, CopyStage stage) override {
     copies.push_back({stage, descs.size(), src, dst, scale});
     return inner_.Copy(descs, src, dst, scale, stage);
@@ -72,6 +79,8 @@ class RecordingContext : public DeviceContext {
   std::vector<OpType> begun;          // BeginOp's ops, in order
   std::vector<size_t> comm_after;     // begun.size() at each comm() call
   std::vector<size_t> buffer_after;   // and at each FusionBuffer() call
+  std::vector<size_t> wait_after;     // ... WaitForInputs() call
+  std::vector<size_t> output_after;   // ... OutputStream() call (outputs the runtime allocates)
   std::vector<uint8_t> window;  // a stand-in for an NCCL window: empty, none
   int window_uses = 0;
 

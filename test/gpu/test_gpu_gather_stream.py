@@ -17,7 +17,9 @@ from refs import make
 from test_gpu_stage3 import check_stage3_trains_to_the_reference
 from test_gpu_zero import _zero_on_gpu
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.get_device_properties(0).multi_processor_count < 128,
+    reason="the gather lane needs a GPU of 128 SMs or more")]
 
 # A small fusion threshold makes many ops; side copy streams for every fused op, so that
 # both lanes' copy streams are in use.
@@ -51,13 +53,13 @@ def _mixed():
         else:
             want = sum(make(k, (1000 + i,), "float32", 300 + i) for k in range(n))
         ok.append(torch.allclose(got, want, rtol=1e-6, atol=1e-6))
-    return all(ok), hvd.runtime_info()["gather_stream"]
+    return all(ok), hvd.runtime_info()["gather_lanes"]
 
 
 def test_collectives_in_flight_on_both_lanes_match_torch(gpus_lane):
-    for ok, lane in gpus_lane.run(_mixed):
+    for ok, lanes in gpus_lane.run(_mixed):
         assert ok
-        assert lane is True
+        assert lanes >= 1  # a context with the gather lane open
 
 
 def _gather_after_allreduce_on_the_other_lane():

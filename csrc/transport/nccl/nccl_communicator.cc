@@ -81,7 +81,10 @@ Status NcclCommunicator::Split(NcclCommunicator& parent, int key, std::unique_pt
   ncclComm_t comm = nullptr;
   const int color = key >= 0 ? 0 : NCCL_SPLIT_NOCOLOR;
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  if (max_ctas > 0) config.maxCTAs = max_ctas;
+  if (max_ctas > 0) {
+    config.maxCTAs = max_ctas;
+    config.splitShare = 0;  // resources of its own, whatever NCCL_COMM_SPLIT_SHARE_RESOURCES says
+  }
   HVDZ_RETURN_IF_ERROR(NcclStatus(ncclCommSplit(parent.comm_, color, key >= 0 ? key : 0, &comm,
                                                 max_ctas > 0 ? &config : nullptr),
                                   "ncclCommSplit"));

@@ -26,14 +26,13 @@ class NcclCommunicator : public Communicator {
   // rank's place in the new communicator (ranks ordered by key), -1 takes no part
   // and gets none (*out stays null). Same device as `parent`; its collectives go on
   // `stream`, or on the parent's when null. `max_ctas` > 0 caps the CTAs of each of its
-  // kernels (ncclConfig_t::maxCTAs). Fails on an NCCL without ncclCommSplit (before 2.18).
+  // kernels (ncclConfig_t::maxCTAs) and gives it resources of its own, not the parent's, so
+  // that the two can run at once. Fails on an NCCL without ncclCommSplit (before 2.18).
   static Status Split(NcclCommunicator& parent, int key, std::unique_ptr<NcclCommunicator>* out,
                       cudaStream_t stream = nullptr, int max_ctas = 0);
   ~NcclCommunicator() override;
 
   cudaStream_t stream() const { return stream_; }
-  // This rank's place in the communicator.
-  int rank() const { return rank_; }
   // The symmetric window (nullptr: none) and its size; `window_note()` says why a window
   // that was asked for is missing.
   void* window() const { return window_buf_; }
@@ -58,9 +57,8 @@ class NcclCommunicator : public Communicator {
   Status GroupEnd() override;
 
  private:
-  NcclCommunicator(int device, ncclComm_t comm, cudaStream_t stream) : device_(device), comm_(comm), stream_(stream) {
-    ncclCommUserRank(comm, &rank_);
-  }
+  NcclCommunicator(int device, ncclComm_t comm, cudaStream_t stream)
+      : device_(device), comm_(comm), stream_(stream) {}
   // nccl_window.cc: whether every rank can take a window (one host, NCCL 2.28 or later),
   // agreed over `cp` before the communicator exists; then the collective registration.
   static bool WindowWanted(ControlPlane& cp, int64_t window_bytes, std::string* note);
@@ -70,7 +68,6 @@ class NcclCommunicator : public Communicator {
   int device_;
   ncclComm_t comm_;
   cudaStream_t stream_;
-  int rank_ = 0;
   bool aborted_ = false;
   void* window_buf_ = nullptr;
   void* window_handle_ = nullptr;  // ncclWindow_t, where this NCCL has windows
