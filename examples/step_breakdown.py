@@ -16,6 +16,7 @@ import json
 import os
 import tempfile
 import time
+from collections import Counter
 
 from torch.profiler import ProfilerActivity, profile
 
@@ -28,6 +29,16 @@ def is_comm(name):
     """NCCL's kernels, and copies from one GPU to another: NCCL's copy-engine collectives
     (HOROVOD_ZERO_CE_ALLGATHER_BYTES) run as peer-to-peer memcpys, with no kernel."""
     return "nccl" in name.lower() or name.startswith("Memcpy PtoP")
+
+
+def busiest_gpu_events(events):
+    """The GPU events of a Chrome trace on the device that ran most of them (a rank's
+    own GPU; a trace may show others'), or [] when it has none."""
+    on_gpu = [e for e in events if e.get("cat") in _GPU_CATS and e.get("dur", 0) > 0]
+    if not on_gpu:
+        return []
+    device = Counter(e.get("args", {}).get("device") for e in on_gpu).most_common(1)[0][0]
+    return [e for e in on_gpu if e.get("args", {}).get("device") == device]
 
 
 def kernel_intervals(events, mark=OPTIMIZER_MARK):

@@ -17,9 +17,8 @@ import gzip
 import json
 import statistics
 import sys
-from collections import Counter
 
-from step_breakdown import _GPU_CATS, _LAUNCH_CATS, is_comm, kernel_intervals, partition
+from step_breakdown import _GPU_CATS, _LAUNCH_CATS, busiest_gpu_events, is_comm, kernel_intervals, partition
 
 LATE_US = 100.0  # a collective launched less than this before it ran waited for its launch
 
@@ -28,11 +27,9 @@ def comm_summary(events):
     """For one rank's Chrome trace events (on the GPU that ran most of its kernels): the
     traced window, the time NCCL kernels run, the exposed time (only NCCL runs), and the
     lead of each collective (its start minus its launch on the host), in microseconds."""
-    on_gpu = [e for e in events if e.get("cat") in _GPU_CATS and e.get("dur", 0) > 0]
-    if not on_gpu:
+    gpu = busiest_gpu_events(events)
+    if not gpu:
         return None
-    device = Counter(e.get("args", {}).get("device") for e in on_gpu).most_common(1)[0][0]
-    gpu = [e for e in on_gpu if e.get("args", {}).get("device") == device]
     mine = [e for e in events if e.get("cat") not in _GPU_CATS] + gpu
     launched = {e["args"]["correlation"]: e["ts"] for e in events
                 if e.get("cat") in _LAUNCH_CATS and "correlation" in e.get("args", {})}

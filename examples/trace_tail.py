@@ -14,7 +14,7 @@ import gzip
 import json
 from collections import Counter
 
-from step_breakdown import _GPU_CATS, kernel_intervals
+from step_breakdown import _GPU_CATS, busiest_gpu_events, kernel_intervals
 
 GAP_US = 20.0  # kernels of one kind on one stream closer than this form one segment
 
@@ -36,20 +36,14 @@ def kind_of(name, optimizer):
     return "compute"
 
 
-def gpu_events(events):
-    on_gpu = [e for e in events if e.get("cat") in _GPU_CATS and e.get("dur", 0) > 0]
-    device = Counter(e.get("args", {}).get("device") for e in on_gpu).most_common(1)[0][0]
-    return [e for e in on_gpu if e.get("args", {}).get("device") == device]
-
-
 def tails(events, span_us):
     """[(t0, segments, next_forward)] per step: segments [(stream, start, end, kind, n)]
     relative to t0 (backward's last kernel end), in microseconds."""
-    gpu = gpu_events(events)
-    opt = {(s, e) for s, e, k in kernel_intervals(gpu + [e for e in events if e.get("cat") not in _GPU_CATS])
-           if k == "optimizer"}
-    rows = sorted((e["ts"], e["ts"] + e["dur"], e.get("args", {}).get("stream"),
-                   kind_of(e["name"], (e["ts"], e["ts"] + e["dur"]) in opt)) for e in gpu)
+    gpu = busiest_gpu_events(events)
+    # kernel_intervals() keeps the GPU events' order: its first len(gpu) rows are theirs.
+    kinds = kernel_intervals(gpu + [e for e in events if e.get("cat") not in _GPU_CATS])
+    rows = sorted((e["ts"], e["ts"] + e["dur"], e.get("args", {}).get("stream"), kind_of(e["name"], k == "optimizer"))
+                  for e, (_, _, k) in zip(gpu, kinds))
     compute_stream = Counter(r[2] for r in rows if r[3] == "compute").most_common(1)[0][0]
     firsts = []  # each step's first optimizer kernel
     for r in rows:
