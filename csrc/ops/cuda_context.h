@@ -25,21 +25,21 @@ namespace hvdz {
 // dead peer into an error instead of a hang.
 //
 // [Note: the gather lane]
-// With HOROVOD_ZERO_GATHER_STREAM=1 a context has two lanes: CUDA allgathers run on a
-// second communicator (a split of the first, the same ranks) and the device's second
-// collective stream, and every other op on the first. The split is made with the
-// context, only where every rank of the set asked for it on a large enough GPU and
-// every rank's split worked (agreed over the control plane; a set split from another
-// splits the parent's gather communicator), so no rank runs a gather on a lane that
-// another lacks. On one stream a gather queues
-// behind the reductions issued before it: ZeRO-2's gathers of the new parameters
-// waited for backward's last reduce-scatter (the tied embedding's), and stage 3's
-// prefetches in backward for the reduce-scatters of the units after them.
+// On one collective stream a gather queues behind the reductions issued before it:
+// ZeRO-2's gathers of the new parameters waited for backward's last reduce-scatter
+// (the tied embedding's), and stage 3's prefetches in backward for the reduce-scatters
+// of the units after them. With HOROVOD_ZERO_GATHER_STREAM=1 a context has two lanes:
+// CUDA allgathers run on a second communicator (a split of the first, the same ranks)
+// and the device's second collective stream, and every other op on the first.
+// - Agreement: the split is made with the context, only where every rank of the set
+//   asked for it on a large enough GPU and every rank's split worked (agreed over the
+//   control plane; a set split from another splits the parent's gather communicator),
+//   so no rank runs a gather on a lane that another lacks.
 // - Order between lanes: an op waits for its inputs' ready events on its own lane, as
 //   before; two ops on the same bytes are ordered by the caller (synchronize, or a
 //   stream wait on the first op's event before the second is enqueued), which is
-//   Horovod's contract, or by the copy streams, which also wait for the other lane's
-//   pending copies out ([Note: copy streams]).
+//   Horovod's contract, and by the copy streams, whose siblings keep every op pending
+//   for all its tensors' bytes until it is done ([Note: copy streams]).
 // - Deadlock: NCCL kernels of two communicators may now run at the same time. Every
 //   rank issues them in the same order, and a kernel only waits for its peers' kernel
 //   of the same communicator, so both can always make progress if both fit on the

@@ -78,8 +78,7 @@ class CudaSupport : public GpuSupport {
                                << " keep NCCL's kernels: " << comm->window_note() << ".";
     std::unique_ptr<NcclCommunicator> gathers;
     HVDZ_RETURN_IF_ERROR(OpenGatherComm(*d, cp, *comm, &gathers));
-    out->reset(new CudaContext({std::move(comm), d->copies.get()}, {std::move(gathers), d->gather_copies.get()},
-                               alloc, params_, log_, window_bytes_, gather_lanes_));
+    *out = NewContext(*d, std::move(comm), std::move(gathers), alloc);
     return Status::OK();
   }
 
@@ -95,9 +94,7 @@ class CudaSupport : public GpuSupport {
     if (from.gather_nccl() != nullptr)
       HVDZ_RETURN_IF_ERROR(
           NcclCommunicator::Split(*from.gather_nccl(), set_rank, &gathers, d->gather_stream, d->gather_ctas));
-    if (comm)
-      out->reset(new CudaContext({std::move(comm), d->copies.get()}, {std::move(gathers), d->gather_copies.get()},
-                                 alloc, params_, log_, window_bytes_, gather_lanes_));
+    if (comm) *out = NewContext(*d, std::move(comm), std::move(gathers), alloc);
     return Status::OK();
   }
 
@@ -133,6 +130,13 @@ class CudaSupport : public GpuSupport {
     }
     *out = &it->second;
     return Status::OK();
+  }
+
+  std::unique_ptr<DeviceContext> NewContext(Device& d, std::unique_ptr<NcclCommunicator> comm,
+                                            std::unique_ptr<NcclCommunicator> gathers, Allocator& alloc) {
+    return std::make_unique<CudaContext>(CudaContext::Lane{std::move(comm), d.copies.get()},
+                                         CudaContext::Lane{std::move(gathers), d.gather_copies.get()}, alloc, params_,
+                                         log_, window_bytes_, gather_lanes_);
   }
 
   // [Note: the gather lane] in ops/cuda_context.h: a split of `comm` on the device's
