@@ -13,7 +13,9 @@ max_memory_allocated over ranks. Gradients are reduced in bf16 by every system u
     torchrun --nproc_per_node=4 examples/bench_zero.py --model 8b --micro-batch 1 --adam fused --modes fsdp2+reshard,zero3
     torchrun --nproc_per_node=4 examples/bench_zero.py --sim-nodes 2 --modes zero3,zero3+hybrid,fsdp2+reshard,fsdp2+hsdp
 
-A mode may carry environment settings for its optimizer: zero3@HOROVOD_ZERO_PREFETCH=2.
+A mode may carry environment settings for its optimizer and the runtime:
+zero3@HOROVOD_ZERO_PREFETCH=2. Each horovod_zero mode starts a fresh runtime (hvd.shutdown()
+and hvd.init()), as a job of its own would, unless HOROVOD_AUTOTUNE=1.
 zero2+ostep and zero3+ostep pass overlap_step=True: each shard is stepped during backward.
 With HOROVOD_AUTOTUNE=1 the first horovod_zero mode first trains, untimed, until the
 autotuner has kept its best setting (at most --tune-max-steps steps), and its line says
@@ -36,6 +38,9 @@ optimizer step, exposed communication and GPU idle time (the host on the critica
 the profiler inflates it) (examples/step_breakdown.py); averages over ranks. --jsonl
 appends every line as a row of docs/benchmarks/results.jsonl's form (commit from
 $HVDZ_COMMIT).
+--profile-back-to-back profiles those three steps without a synchronization between them, as
+training runs them: what a step leaves queued (overlap_param_gather's gathers) then runs
+under the next forward, as in the back-to-back time.
 """
 
 import argparse
@@ -225,6 +230,19 @@ def mode_env(mode):
                 os.environ[k] = v
 
 
+def fresh_runtime():
+    """Restarts horovod_zero's runtime on every rank, so that a mode starts as a job of its
+    own would: with its own core settings (the mode's @HOROVOD_* ones are read now), and
+    with no response cache from an earlier mode. The cache runs the collectives that
+    become ready together in the order their names were first negotiated: a mode that
+    gathers the same parameter names as an earlier one would inherit its order (an
+    overlap_param_gather step after a plain stage-2 one gathered the embedding last, and
+    the next forward waited for every gather). Not with HOROVOD_AUTOTUNE=1: the settings
+    the tuner kept would be lost."""
+    hvd.shutdown()
+    hvd.init()
+
+
 def bytes_by_set(stats, opt, steps):
     """MiB per step that horovod_zero's collectives carried (each rank's payload), by kind
     of process set: hybrid's node sets stay inside a node, its cross sets cross nodes, and
@@ -254,6 +272,8 @@ def bench_mode(mode, cfg, micro, steps, dev, profile_dir=None, profile_modes=(),
                reduce_dtype=torch.bfloat16, compiled=False, ac=False, adam=None, breakdown=False, trace_dir=None,
                tune_max_steps=0):
     with mode_env(mode) as base:
+        if base.startswith("zero") and hvd.runtime_info()["autotune"] is None:
+            fresh_runtime()
         return _bench_mode(base, cfg, micro, steps, dev, profile_dir, profile_modes, phases, reduce_dtype,
                            compiled, ac, adam or {}, breakdown, trace_dir, tune_max_steps)
 
@@ -310,7 +330,7 @@ def _bench_mode(mode, cfg, micro, steps, dev, profile_dir, profile_modes, phases
     t, tb = run_steps(step, steps)
     links = bytes_by_set(hvd.collective_stats(), opt, 2 * steps + 3) if mode.startswith("zero") else None
     keep = trace_file(trace_dir, mode.replace('+', '_'))
-    parts = mean_over_ranks(profile_parts(step, 3, sync, keep)) if breakdown else None
+    parts = mean_over_ranks(profile_parts(step, 3, sync, keep, breakdown == "back-to-back")) if breakdown else None
     window = hvd.runtime_info()["gather_window_bytes"] if mode.startswith("zero") else 0
     out = (t, tb, micro * cfg["seq"] / t, peak_gib(window), phase_peaks(forward, backward, update) if phases else None, links,
            parts, tuned)
@@ -456,6 +476,9 @@ def main():
     ap.add_argument("--adam", choices=sorted(ADAM_KERNELS), default="default",
                     help="AdamW's kernel for every system (default: each system's own)")
     ap.add_argument("--breakdown", action="store_true", help="the floor, and each step split into its parts (CUDA)")
+    ap.add_argument("--profile-back-to-back", action="store_true",
+                    help="with --breakdown: profile the steps with no synchronization between them, as training "
+                         "runs them (what step() leaves queued, overlap_param_gather's gathers, runs under the next forward)")
     ap.add_argument("--trace-dir", default="", help="with --breakdown: keep rank 0's traces here, gzipped")
     ap.add_argument("--trace-all-ranks", action="store_true",
                     help="with --trace-dir: every rank keeps its trace (trace_<mode>.rank<N>.json.gz)")
@@ -474,6 +497,7 @@ def main():
     if args.tiny:
         args.model = "tiny"
     trace = (args.trace_dir, args.trace_all_ranks) if args.trace_dir else None
+    breakdown = ("back-to-back" if args.profile_back_to_back else "synced") if args.breakdown else None
     if args.trace_dir:
         os.makedirs(args.trace_dir, exist_ok=True)
     if args.sim_nodes:
@@ -513,7 +537,7 @@ def main():
         try:
             t, tb, tok, peak, phases, links, parts, tuned = bench_mode(
                 run, cfg, args.micro_batch, args.steps, dev, args.profile_dir, args.profile.split(","), args.phases,
-                reduce_dtype, compiled, ac, adam, args.breakdown, trace, args.tune_max_steps)
+                reduce_dtype, compiled, ac, adam, breakdown, trace, args.tune_max_steps)
         except Exception as e:  # noqa: BLE001 - a peer that cannot run this setting: say so, go on
             lines.append(f"{label:22s} failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
             release_memory()

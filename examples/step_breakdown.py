@@ -93,9 +93,10 @@ def partition(intervals):
     return out
 
 
-def profile_parts(step_fn, steps, sync, keep=None):
+def profile_parts(step_fn, steps, sync, keep=None, back_to_back=False):
     """partition() of `steps` calls of step_fn (each followed by sync(), as the timing
-    does), and their wall time ("wall"), per step, in seconds. The profiler slows the host
+    does; `back_to_back`: one sync() after the last, as training runs them, so that what
+    a step leaves running overlaps the next one), and their wall time ("wall"), per step, in seconds. The profiler slows the host
     (most where the host sets the pace), so the parts add up to the profiled wall time,
     not to an unprofiled step's. Every rank profiles; the trace is kept gzipped at `keep`
     when given (chrome://tracing and Perfetto read it)."""
@@ -104,7 +105,9 @@ def profile_parts(step_fn, steps, sync, keep=None):
         t0 = time.perf_counter()
         for _ in range(steps):
             step_fn()
-            sync()
+            if not back_to_back:
+                sync()
+        sync()
         wall = time.perf_counter() - t0
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)

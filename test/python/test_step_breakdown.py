@@ -70,3 +70,20 @@ def test_torch_traces_carry_the_fields_the_breakdown_reads(tmp_path):
     marks = [e for e in json.loads(path.read_text())["traceEvents"]
              if e.get("cat") == "user_annotation" and e.get("name") == sb.OPTIMIZER_MARK]
     assert len(marks) == 1 and {"ts", "dur", "tid"} <= marks[0].keys()
+
+
+def test_back_to_back_profiling_synchronizes_once_after_the_steps_instead_of_after_each():
+    """Synchronized after each step, a step that leaves work queued (overlap_param_gather's
+    gathers) is profiled without its overlap with the next forward."""
+    syncs = []
+    steps_run = []
+
+    def step():
+        steps_run.append(len(syncs))  # how many syncs came before this step began
+    sb.profile_parts(step, 3, lambda: syncs.append(1))
+    assert steps_run == [1, 2, 3] and len(syncs) == 5  # before, after each step, at the end
+    syncs.clear()
+    steps_run.clear()
+    parts = sb.profile_parts(step, 3, lambda: syncs.append(1), back_to_back=True)
+    assert steps_run == [1, 1, 1] and len(syncs) == 2
+    assert parts["wall"] > 0
