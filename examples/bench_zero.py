@@ -275,11 +275,11 @@ def bench_mode(mode, cfg, micro, steps, dev, profile_dir=None, profile_modes=(),
         if base.startswith("zero") and hvd.runtime_info()["autotune"] is None:
             fresh_runtime()
         return _bench_mode(base, cfg, micro, steps, dev, profile_dir, profile_modes, phases, reduce_dtype,
-                           compiled, ac, adam or {}, breakdown, trace_dir, tune_max_steps)
+                           compiled, ac, adam or {}, breakdown, trace_dir, tune_max_steps, mode.replace("+", "_"))
 
 
 def _bench_mode(mode, cfg, micro, steps, dev, profile_dir, profile_modes, phases, reduce_dtype, compiled, ac, adam,
-                breakdown, trace_dir, tune_max_steps):
+                breakdown, trace_dir, tune_max_steps, trace_name):
     release_memory()
     torch._dynamo.reset()  # each mode compiles its own blocks: none reuses another's code
     model = build(cfg, dev, compiled, ac)
@@ -329,7 +329,7 @@ def _bench_mode(mode, cfg, micro, steps, dev, profile_dir, profile_modes, phases
     hvd.collective_stats(reset=True)
     t, tb = run_steps(step, steps)
     links = bytes_by_set(hvd.collective_stats(), opt, 2 * steps + 3) if mode.startswith("zero") else None
-    keep = trace_file(trace_dir, mode.replace('+', '_'))
+    keep = trace_file(trace_dir, trace_name)
     parts = mean_over_ranks(profile_parts(step, 3, sync, keep, breakdown == "back-to-back")) if breakdown else None
     window = hvd.runtime_info()["gather_window_bytes"] if mode.startswith("zero") else 0
     out = (t, tb, micro * cfg["seq"] / t, peak_gib(window), phase_peaks(forward, backward, update) if phases else None, links,
@@ -421,6 +421,8 @@ def result_row(args, cfg, mode, settings, metrics):
     settings = dict(model=f"{MODELS[args.model][1]} decoder ({n / 1e9:.2f} B)", seq=cfg["seq"],
                     micro_batch=args.micro_batch, gpus=hvd.size(), mode=mode, param_dtype="bf16",
                     reduce_dtype=args.reduce_dtype, adam=args.adam, **settings)
+    if args.no_lookup_grad:
+        settings["lookup_grad"] = False  # an upper bound, not training (--no-lookup-grad)
     if "+overlap" in base:
         settings["overlap_param_gather"] = True
     if "+ostep" in base:
@@ -490,6 +492,9 @@ def main():
     ap.add_argument("--sim-nodes", type=int, default=0, help="split the ranks into this many simulated nodes")
     ap.add_argument("--compile", action="store_true", help="compile each block (block.compile()), every mode")
     ap.add_argument("--ac", action="store_true", help="activation checkpointing per block, every mode")
+    ap.add_argument("--no-lookup-grad", action="store_true",
+                    help="an upper bound, not training: the embedding lookup passes no gradient to the tied "
+                         "weight, so its reduction no longer waits for the end of backward (every mode and the floor)")
     ap.add_argument("--tune-max-steps", type=int, default=5000,
                     help="with HOROVOD_AUTOTUNE=1: most steps the first horovod_zero mode trains, untimed, until the "
                          "autotuner keeps its best setting")
@@ -511,6 +516,8 @@ def main():
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
                             device_id=dev if dev.type == "cuda" else None)
     cfg, model_name = MODELS[args.model]
+    if args.no_lookup_grad:
+        cfg, model_name = dict(cfg, lookup_grad=False), model_name + " (the lookup passes no gradient)"
     adam = ADAM_KERNELS[args.adam]
     lines = [f"== bench_zero: {hvd.size()} ranks, {torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}, "
              f"{model_name} model, micro-batch {args.micro_batch}, seq {cfg['seq']}, "

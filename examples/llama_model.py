@@ -58,8 +58,11 @@ class Block(torch.nn.Module):
 
 
 class Decoder(torch.nn.Module):
-    def __init__(self, layers, d, heads, kv_heads, ffn, vocab, seq):
+    def __init__(self, layers, d, heads, kv_heads, ffn, vocab, seq, lookup_grad=True):
         super().__init__()
+        # False: an experiment's upper bound, not training: the lookup gives the tied weight
+        # no gradient (only the head does), as if the lookup's gradient cost nothing.
+        self.lookup_grad = lookup_grad
         self.emb = torch.nn.Embedding(vocab, d)
         torch.nn.init.normal_(self.emb.weight, std=0.02)
         self.blocks = torch.nn.ModuleList(Block(d, heads, kv_heads, ffn) for _ in range(layers))
@@ -69,7 +72,7 @@ class Decoder(torch.nn.Module):
         self.ac = False  # recompute each block's activations in backward (non-reentrant checkpoint)
 
     def forward(self, ids):
-        x = self.emb(ids)
+        x = self.emb(ids) if self.lookup_grad else F.embedding(ids, self.emb.weight.detach())
         for b in self.blocks:
             x = checkpoint(b, x, use_reentrant=False) if self.ac else b(x)
         return self.head(self.norm(x))
