@@ -15,26 +15,38 @@ from horovod_zero.torch.process_sets import _id, global_process_set
 
 
 class _ObjectNames:
-    """Names for unnamed broadcast_object() calls: the n-th call of a job (one runtime,
-    one init()) on a process set is broadcast_object.n on every rank of the set, so
-    the names agree without any message (one count per set: only its ranks call it).
-    The counts live as long as their runtime, so a re-init starts again at 0 on
-    every rank alike. Threads take numbers under a lock: two of them must never
-    share a number or skip one, or the ranks' names drift apart and the job stalls."""
+    """Numbers that every rank of a process set agrees on without any message: the
+    n-th call of a job (one runtime, one init()) for one kind of thing on a set gets n
+    on every rank of the set (one count per set and kind: only its ranks call it).
+    Unnamed broadcast_object() calls are named broadcast_object.n by them, and ZeRO
+    optimizers number their collectives' names (agreed_number()). The counts live as
+    long as their runtime, so a re-init starts again at 0 on every rank alike. Threads
+    take numbers under a lock: two of them must never share a number or skip one, or
+    the ranks' names drift apart and the job stalls."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._next = weakref.WeakKeyDictionary()  # runtime -> {process set id: next number}
+        self._next = weakref.WeakKeyDictionary()  # runtime -> {(process set id, kind): next number}
 
-    def take(self, runtime, set_id=0):
+    def number(self, runtime, set_id=0, kind="broadcast_object"):
         with self._lock:
             counts = self._next.setdefault(runtime, {})
-            n = counts.get(set_id, 0)
-            counts[set_id] = n + 1
-        return f"broadcast_object.{n}"
+            n = counts.get((set_id, kind), 0)
+            counts[(set_id, kind)] = n + 1
+        return n
+
+    def take(self, runtime, set_id=0):
+        return f"broadcast_object.{self.number(runtime, set_id)}"
 
 
 _object_names = _ObjectNames()
+
+
+def agreed_number(kind, process_set=global_process_set):
+    """How many times this job's ranks of `process_set` called this before for `kind`:
+    the same number on each of them when they call it in the same order (as when each
+    builds the same objects in the same order)."""
+    return _object_names.number(_runtime(), _id(process_set), kind)
 
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):

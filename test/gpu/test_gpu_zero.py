@@ -9,6 +9,7 @@ import torch
 import horovod_zero.torch as hvd
 import test_zero as cpu  # the CPU tests' workers, run here with device="cuda"
 import test_zero_step_chunks as chunks
+import test_zero_two_optimizers as two
 from harness import launch, on_gpus, shared_pool
 from refs import STEPS, adamw, batch, mlp, mse, rank_rows, rel_err, train_reference
 
@@ -58,6 +59,13 @@ def test_the_step_in_chunks_on_cuda_gives_the_whole_steps_values(gpus, stage, kw
         else:
             assert all(same) and all(u == 0 for _, u in n_chunks), (same, n_chunks)
         assert err < 1e-5, err
+
+
+@pytest.mark.parametrize("stage,overlap", [(2, False), (2, True), (3, False)],
+                         ids=["stage2", "stage2-overlap-gather", "stage3"])
+def test_two_optimizers_in_one_job_on_cuda(gpus, stage, overlap):
+    """Their gathers and reductions in flight at once, each under its own tag."""
+    two.check_two_optimizers(gpus, stage, overlap, "cuda")
 
 
 @pytest.mark.parametrize("stage,mode", [(1, "bpps"), (2, "bpps"), (2, "perpass")])

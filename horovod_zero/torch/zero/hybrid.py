@@ -20,14 +20,14 @@ reducer, gatherer, norms and state code take whole, says which set each collecti
 runs in, and does the one extra step (average_replicas) and the one difference in
 when a reduced shard is final (final_after_reduce_scatter)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from horovod_zero.torch import basics
 from horovod_zero.torch import enqueue as ops
 from horovod_zero.torch.basics import _core
 from horovod_zero.torch.job import _add
-from horovod_zero.torch.objects import allgather_object
+from horovod_zero.torch.objects import agreed_number, allgather_object
 from horovod_zero.torch.process_sets import ProcessSet
 
 
@@ -49,6 +49,12 @@ class ShardGroups:
     shard_set: Optional[ProcessSet]  # None: the global set (full sharding)
     cross_set: Optional[ProcessSet]  # None: no replicas to average over
     scope: Scope = Scope(None, 0)
+    # The optimizer's collectives are named <tag>.param.3, <tag>.grad.3.0, ...: "zero" for
+    # the first ZeRO optimizer of the job over its ranks, "zero1", "zero2"... for the
+    # next ones, so that two optimizers' gathers or reductions in flight at once (a GAN's
+    # two, say) never share a name (the runtime would refuse the second on the ranks
+    # where the first had not run yet, and the others would wait for it).
+    tag: str = "zero"
 
     @property
     def final_after_reduce_scatter(self) -> bool:
@@ -63,7 +69,7 @@ class ShardGroups:
         if self.cross_set is None or not items:
             return []
         tensors = [t for _, t in items]
-        return ops._enqueue(_core.OP_ALLREDUCE, tensors, tensors, [f"zero.cross.{s.index}" for s, _ in items],
+        return ops._enqueue(_core.OP_ALLREDUCE, tensors, tensors, [f"{self.tag}.cross.{s.index}" for s, _ in items],
                             ops.Average, process_set=self.cross_set)
 
 
@@ -114,7 +120,10 @@ def node_sharding() -> ShardGroups:
 
 def shard_groups(shard_group, process_set) -> ShardGroups:
     """The ranks the optimizer shards over, from its (already checked) shard_group= and
-    process_set= arguments. Collective when shard_group='node'."""
+    process_set= arguments, and its collectives' tag. Collective when shard_group='node'."""
     if shard_group == "node":
-        return node_sharding()
-    return set_sharding(process_set) if process_set is not None else full_sharding()
+        groups = node_sharding()
+    else:
+        groups = set_sharding(process_set) if process_set is not None else full_sharding()
+    n = agreed_number("DistributedZeroOptimizer", groups.scope.process_set)  # None: the global set
+    return replace(groups, tag=f"zero{n or ''}")

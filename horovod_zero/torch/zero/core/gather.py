@@ -56,7 +56,7 @@ class ParamGatherer:
                 outs = [torch.empty(o.numel(), dtype=torch.float32, device=o.device) for _, o in items]
                 self._after.update({i: (o, full) for (i, o), full in zip(items, outs)})
                 out_dtype = None
-            names = [f"zero.param.{i}" for i, _ in items]
+            names = [f"{st.groups.tag}.param.{i}" for i, _ in items]
             handles = ops._enqueue(_core.OP_ALLGATHER, ins, outs, names, output_dtype=out_dtype,
                                    process_set=st.groups.shard_set)
             self.in_flight.update({i: h for (i, _), h in zip(items, handles)})

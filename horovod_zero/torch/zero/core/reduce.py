@@ -203,7 +203,7 @@ class GradReducer:
                     "backward_passes_per_step=N or inside `with opt.coalesce_grad_reduction():`.")
             k = len(self._pending.get(s.index, ())) + len(self._done.get(s.index, ())) + seen.get(s.index, 0)
             seen[s.index] = seen.get(s.index, 0) + 1
-            names.append(f"zero.grad.{s.index}.{k}")
+            names.append(f"{self._groups.tag}.grad.{s.index}.{k}")
         # The runtime holds the inputs until their collective is done, then frees them.
         handles = ops._enqueue(_core.OP_REDUCESCATTER, ins, outs, names, ops.Average,
                                process_set=self._groups.shard_set)
@@ -254,7 +254,7 @@ class GradReducer:
         # reduce-scatters, and reading it would make the CPU wait for all of them to run,
         # leaving the GPU idle while the CPU then queues the optimizer step.
         t = torch.tensor([x for row in rows for x in row], dtype=torch.float32)
-        flat = ops.synchronize(ops._allreduce_async(t, "zero.reductions", ops.Max, 1.0, 1.0,
+        flat = ops.synchronize(ops._allreduce_async(t, f"{self._groups.tag}.reductions", ops.Max, 1.0, 1.0,
                                                     self._groups.scope.process_set)).tolist()
         out, at = [], 0
         for row in rows:

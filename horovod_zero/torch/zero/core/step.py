@@ -185,12 +185,14 @@ class DeviceStep:
         pass
 
     def found_inf(self):
-        return norms.found_inf(self._grads(), self._st.groups.scope.process_set, self._st.param_device)
+        return norms.found_inf(self._grads(), self._st.groups.scope.process_set, self._st.param_device,
+                               tag=self._st.groups.tag)
 
     def clip(self, max_norm, order_after):
         grads = self._grads()
         # Over the ranks holding one copy of every shard (all of them, or one node's).
-        total = norms.global_norm(grads, self._st.groups.shard_set, self._st.param_device, order_after=order_after)
+        total = norms.global_norm(grads, self._st.groups.shard_set, self._st.param_device, order_after=order_after,
+                                  tag=self._st.groups.tag)
         if grads:
             torch._foreach_mul_(grads, norms.clip_coef_tensor(total, max_norm).to(grads[0].dtype))
         return total.float()

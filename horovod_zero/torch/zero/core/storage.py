@@ -63,7 +63,7 @@ class ShardedStorage:
                 for s, p in zip(gs, g["params"])}
         stores = {}
         for batch in (batches(params) if batches is not None else [params]):
-            _broadcast_initial_values([slot[p][0] for p in batch], batch, self.groups.scope.process_set,
+            _broadcast_initial_values([slot[p][0] for p in batch], batch, self.groups,
                                       self.groups.scope.root)
             for p in batch:
                 s, master_slice = slot[p]
@@ -170,15 +170,16 @@ class ShardedStorage:
         return self.shards[i].numel == 0 or p.data_ptr() == store.data_ptr()
 
 
-def _broadcast_initial_values(shards, params, process_set, root):
+def _broadcast_initial_values(shards, params, groups, root):
     """Every rank starts from rank 0's values, as DDP does at construction. The fp32
     master shards are built from them, so a broadcast_parameters() after wrapping
     (which would reach the parameters but not the masters) changes nothing."""
     with torch.no_grad():
-        handles = [ops._enqueue_one(ops._core.OP_BROADCAST, p.data, p.data, f"zero.init.{s.index}", root=root,
+        process_set, tag = groups.scope.process_set, groups.tag
+        handles = [ops._enqueue_one(ops._core.OP_BROADCAST, p.data, p.data, f"{tag}.init.{s.index}", root=root,
                                     process_set=process_set) for s, p in zip(shards, params) if p.is_contiguous()]
         ops.synchronize(handles)
         for s, p in zip(shards, params):
             if not p.is_contiguous():
-                p.data = ops.synchronize(ops._broadcast_async(p.data.contiguous(), root, f"zero.init.{s.index}",
+                p.data = ops.synchronize(ops._broadcast_async(p.data.contiguous(), root, f"{tag}.init.{s.index}",
                                                               process_set))

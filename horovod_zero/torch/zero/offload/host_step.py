@@ -105,11 +105,13 @@ class HostStep:
                                "the global norm is known. Use overlap_step=False to clip.")
 
     def found_inf(self):
-        return norms.found_inf(self.host.present_grads(), self._st.groups.scope.process_set, "cpu")
+        return norms.found_inf(self.host.present_grads(), self._st.groups.scope.process_set, "cpu",
+                               tag=self._st.groups.tag)
 
     def clip(self, max_norm, order_after):
         # The host gradients are never rewritten: unscaling and clipping are one factor the step applies.
-        total = norms.global_norm(self.host.present_grads(), self._st.groups.shard_set, "cpu", self.host.scale)
+        total = norms.global_norm(self.host.present_grads(), self._st.groups.shard_set, "cpu", self.host.scale,
+                                  tag=self._st.groups.tag)
         coef = norms.clip_coef(total, max_norm)
         if coef < 1.0:
             self.host.scale *= coef
