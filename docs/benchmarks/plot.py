@@ -35,8 +35,10 @@ SYSTEMS = OrderedDict([
 
 
 def load():
+    """The rows, less upper-bound experiments that do not train (bench_zero --no-lookup-grad)."""
     with open(HERE / "results.jsonl") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [r for r in rows if r.get("settings", {}).get("lookup_grad", True)]
 
 
 def run_key(r):
