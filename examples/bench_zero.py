@@ -50,6 +50,7 @@ import gc
 import importlib.util
 import json
 import os
+import re
 import shlex
 import sys
 import time
@@ -215,8 +216,8 @@ def deepspeed3(model, micro, reduce_dtype, adam):
 
 @contextlib.contextmanager
 def mode_env(mode):
-    """The optimizer settings a mode carries after '@' (zero3@HOROVOD_ZERO_PREFETCH=2@...),
-    set while it runs."""
+    """The settings a mode carries after '@' (zero3@HOROVOD_ZERO_PREFETCH=2@...), set while
+    it runs: the optimizer's, and the runtime's, which fresh_runtime() reads."""
     pairs = [kv.split("=", 1) for kv in mode.split("@")[1:]]
     saved = {k: os.environ.get(k) for k, _ in pairs}
     os.environ.update(dict(pairs))
@@ -233,12 +234,10 @@ def mode_env(mode):
 def fresh_runtime():
     """Restarts horovod_zero's runtime on every rank, so that a mode starts as a job of its
     own would: with its own core settings (the mode's @HOROVOD_* ones are read now), and
-    with no response cache from an earlier mode. The cache runs the collectives that
-    become ready together in the order their names were first negotiated: a mode that
-    gathers the same parameter names as an earlier one would inherit its order (an
-    overlap_param_gather step after a plain stage-2 one gathered the embedding last, and
-    the next forward waited for every gather). Not with HOROVOD_AUTOTUNE=1: the settings
-    the tuner kept would be lost."""
+    with nothing an earlier mode left in the runtime (its response cache, communicators,
+    copy-engine window). Not with HOROVOD_AUTOTUNE=1, where the settings the tuner kept
+    would be lost: then a mode's @HOROVOD_* core settings are not read, only its
+    optimizer's."""
     hvd.shutdown()
     hvd.init()
 
@@ -270,16 +269,18 @@ def model_flags(mode, compile_all=False, ac_all=False):
 
 def bench_mode(mode, cfg, micro, steps, dev, profile_dir=None, profile_modes=(), phases=False,
                reduce_dtype=torch.bfloat16, compiled=False, ac=False, adam=None, breakdown=False, trace_dir=None,
-               tune_max_steps=0):
+               tune_max_steps=0, label=None):
+    """`label`: what names the mode's trace and profile files (the mode itself by default)."""
     with mode_env(mode) as base:
         if base.startswith("zero") and hvd.runtime_info()["autotune"] is None:
             fresh_runtime()
         return _bench_mode(base, cfg, micro, steps, dev, profile_dir, profile_modes, phases, reduce_dtype,
-                           compiled, ac, adam or {}, breakdown, trace_dir, tune_max_steps, mode.replace("+", "_"))
+                           compiled, ac, adam or {}, breakdown, trace_dir, tune_max_steps,
+                           re.sub(r"[^\w.@=-]", "_", label or mode))
 
 
 def _bench_mode(mode, cfg, micro, steps, dev, profile_dir, profile_modes, phases, reduce_dtype, compiled, ac, adam,
-                breakdown, trace_dir, tune_max_steps, trace_name):
+                breakdown, trace_dir, tune_max_steps, file_name):
     release_memory()
     torch._dynamo.reset()  # each mode compiles its own blocks: none reuses another's code
     model = build(cfg, dev, compiled, ac)
@@ -329,13 +330,13 @@ def _bench_mode(mode, cfg, micro, steps, dev, profile_dir, profile_modes, phases
     hvd.collective_stats(reset=True)
     t, tb = run_steps(step, steps)
     links = bytes_by_set(hvd.collective_stats(), opt, 2 * steps + 3) if mode.startswith("zero") else None
-    keep = trace_file(trace_dir, trace_name)
+    keep = trace_file(trace_dir, file_name)
     parts = mean_over_ranks(profile_parts(step, 3, sync, keep, breakdown == "back-to-back")) if breakdown else None
     window = hvd.runtime_info()["gather_window_bytes"] if mode.startswith("zero") else 0
     out = (t, tb, micro * cfg["seq"] / t, peak_gib(window), phase_peaks(forward, backward, update) if phases else None, links,
            parts, tuned)
     if profile_dir and mode in profile_modes:  # every rank steps; rank 0 writes
-        profile_steps(step, os.path.join(profile_dir, f"profile_{mode.replace('+', '_')}.txt") if hvd.rank() == 0 else None)
+        profile_steps(step, os.path.join(profile_dir, f"profile_{file_name}.txt") if hvd.rank() == 0 else None)
     del model, opt, net
     return out
 
@@ -544,7 +545,7 @@ def main():
         try:
             t, tb, tok, peak, phases, links, parts, tuned = bench_mode(
                 run, cfg, args.micro_batch, args.steps, dev, args.profile_dir, args.profile.split(","), args.phases,
-                reduce_dtype, compiled, ac, adam, breakdown, trace, args.tune_max_steps)
+                reduce_dtype, compiled, ac, adam, breakdown, trace, args.tune_max_steps, label)
         except Exception as e:  # noqa: BLE001 - a peer that cannot run this setting: say so, go on
             lines.append(f"{label:22s} failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
             release_memory()

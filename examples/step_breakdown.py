@@ -96,7 +96,8 @@ def partition(intervals):
 def profile_parts(step_fn, steps, sync, keep=None, back_to_back=False):
     """partition() of `steps` calls of step_fn (each followed by sync(), as the timing
     does; `back_to_back`: one sync() after the last, as training runs them, so that what
-    a step leaves running overlaps the next one), and their wall time ("wall"), per step, in seconds. The profiler slows the host
+    a step leaves running overlaps the next one), and their wall time ("wall"), per step,
+    in seconds. The profiler slows the host
     (most where the host sets the pace), so the parts add up to the profiled wall time,
     not to an unprofiled step's. Every rank profiles; the trace is kept gzipped at `keep`
     when given (chrome://tracing and Perfetto read it)."""
@@ -107,7 +108,8 @@ def profile_parts(step_fn, steps, sync, keep=None, back_to_back=False):
             step_fn()
             if not back_to_back:
                 sync()
-        sync()
+        if back_to_back:
+            sync()
         wall = time.perf_counter() - t0
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)

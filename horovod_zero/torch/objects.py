@@ -38,6 +38,12 @@ class _ObjectNames:
     def take(self, runtime, set_id=0):
         return f"broadcast_object.{self.number(runtime, set_id)}"
 
+    def reserve(self, runtime, set_id, kind, n):
+        """Number n is taken: the next number() for `kind` is above it."""
+        with self._lock:
+            counts = self._next.setdefault(runtime, {})
+            counts[(set_id, kind)] = max(counts.get((set_id, kind), 0), n + 1)
+
 
 _object_names = _ObjectNames()
 
@@ -47,6 +53,12 @@ def agreed_number(kind, process_set=global_process_set):
     the same number on each of them when they call it in the same order (as when each
     builds the same objects in the same order)."""
     return _object_names.number(_runtime(), _id(process_set), kind)
+
+
+def reserve_number(kind, process_set, n):
+    """Marks number n of `kind` on `process_set` as taken in this job (an object made in
+    an earlier job that keeps its number): agreed_number() continues above it."""
+    _object_names.reserve(_runtime(), _id(process_set), kind, n)
 
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):

@@ -81,7 +81,7 @@ def test_back_to_back_profiling_synchronizes_once_after_the_steps_instead_of_aft
     def step():
         steps_run.append(len(syncs))  # how many syncs came before this step began
     sb.profile_parts(step, 3, lambda: syncs.append(1))
-    assert steps_run == [1, 2, 3] and len(syncs) == 5  # before, after each step, at the end
+    assert steps_run == [1, 2, 3] and len(syncs) == 4  # before, and after each step
     syncs.clear()
     steps_run.clear()
     parts = sb.profile_parts(step, 3, lambda: syncs.append(1), back_to_back=True)

@@ -188,3 +188,37 @@ def test_hybrid_sharding_with_accumulation_prefetch_and_downcast(stage, mode, pr
         assert max(errs) < tol, errs
         assert counts == [4] * STEPS, counts  # each of the 4 parameters reduced once a step
         assert gathers == [(node, wire)], gathers  # gathers stay in the node, in param_dtype
+
+
+def _hybrid_beside_a_node_set():
+    """A hybrid optimizer gathers in the node sets; another over one node's ranks (a set
+    registered by every rank) gathers in the same set. Both are the first of their kind
+    over their ranks, so their tags must differ by the set, or their names meet there."""
+    hvd.init(process_sets="dynamic")
+    nodes = [hvd.add_process_set(list(range(k * LOCAL, (k + 1) * LOCAL))) for k in range(NODES)]
+    mine = nodes[hvd.rank() // LOCAL]
+    g, d = mlp(), torch.nn.Sequential(torch.nn.Linear(7, 3))
+    og = _wrap(g, 2, shard_group="node", overlap_param_gather=True)
+    od = hvd.DistributedZeroOptimizer(torch.optim.AdamW(d.parameters(), lr=1e-2), model=d, stage=2,
+                                      process_set=mine, overlap_param_gather=True)
+    for step in range(STEPS):
+        x, _ = batch(step, 0)
+        d(g(rank_rows(x, hvd.rank(), hvd.size()))).pow(2).mean().backward()
+        od.step()  # the node set's gathers of both in flight at once
+        og.step()
+        od.zero_grad()
+        og.zero_grad()
+    og.wait_for_params()
+    od.wait_for_params()
+    tags = og._storage.groups.tag, od._storage.groups.tag, mine.process_set_id
+    hvd.barrier()  # a rank's shutdown stops every rank: the other node may still be gathering
+    hvd.shutdown()
+    return tags
+
+
+def test_a_hybrid_optimizer_and_one_over_a_node_set_name_their_collectives_apart():
+    res = launch(_hybrid_beside_a_node_set, NODES * LOCAL, env=functools.partial(_node_env, nodes=NODES,
+                                                                                  local=LOCAL))
+    assert len(res) == NODES * LOCAL and all(s == "ok" for s, _ in res.values()), res
+    for rank, (_, (hybrid_tag, node_tag, set_id)) in res.items():
+        assert hybrid_tag == "zero" and node_tag == f"zero@{set_id}", (rank, hybrid_tag, node_tag)

@@ -27,7 +27,7 @@ from horovod_zero.torch import basics
 from horovod_zero.torch import enqueue as ops
 from horovod_zero.torch.basics import _core
 from horovod_zero.torch.job import _add
-from horovod_zero.torch.objects import agreed_number, allgather_object
+from horovod_zero.torch.objects import agreed_number, allgather_object, reserve_number
 from horovod_zero.torch.process_sets import ProcessSet
 
 
@@ -50,10 +50,12 @@ class ShardGroups:
     cross_set: Optional[ProcessSet]  # None: no replicas to average over
     scope: Scope = Scope(None, 0)
     # The optimizer's collectives are named <tag>.param.3, <tag>.grad.3.0, ...: "zero" for
-    # the first ZeRO optimizer of the job over its ranks, "zero1", "zero2"... for the
-    # next ones, so that two optimizers' gathers or reductions in flight at once (a GAN's
-    # two, say) never share a name (the runtime would refuse the second on the ranks
-    # where the first had not run yet, and the others would wait for it).
+    # the first ZeRO optimizer the job builds over every rank, "zero1", "zero2"... for the
+    # next ones ("zero@5", "zero1@5"... over process set 5), so that two optimizers'
+    # gathers or reductions in flight at once (a GAN's two, say) never share a name: the
+    # runtime would refuse the second on the ranks where the first had not run yet, and
+    # the others would wait for it. The set is in the tag because optimizers over
+    # different sets count apart, yet may gather in the same node set.
     tag: str = "zero"
 
     @property
@@ -118,12 +120,22 @@ def node_sharding() -> ShardGroups:
     return ShardGroups(place, local, node_sets[nodes[basics.rank()]], cross_sets[place])
 
 
-def shard_groups(shard_group, process_set) -> ShardGroups:
+_TAGS = "DistributedZeroOptimizer"  # what objects.agreed_number counts the tags as
+
+
+def shard_groups(shard_group, process_set, tag=None) -> ShardGroups:
     """The ranks the optimizer shards over, from its (already checked) shard_group= and
-    process_set= arguments, and its collectives' tag. Collective when shard_group='node'."""
+    process_set= arguments, and its collectives' tag: the next one of the job over the
+    optimizer's ranks, or `tag` (elastic: the optimizer keeps its names in the new job,
+    where the numbers it holds are then skipped). Collective when shard_group='node'."""
     if shard_group == "node":
         groups = node_sharding()
     else:
         groups = set_sharding(process_set) if process_set is not None else full_sharding()
-    n = agreed_number("DistributedZeroOptimizer", groups.scope.process_set)  # None: the global set
-    return replace(groups, tag=f"zero{n or ''}")
+    scope_set = groups.scope.process_set  # None: the global set
+    if tag is None:
+        n = agreed_number(_TAGS, scope_set)
+        tag = f"zero{n or ''}" + (f"@{scope_set.process_set_id}" if scope_set is not None else "")
+    else:
+        reserve_number(_TAGS, scope_set, int(tag.split("@")[0][len("zero"):] or 0))
+    return replace(groups, tag=tag)

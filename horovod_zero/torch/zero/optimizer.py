@@ -100,6 +100,17 @@ class DistributedZeroOptimizer:
                  cast_forward_inputs=True, units=None, reshard_after_forward=True, offload_optimizer=None,
                  nvme_path=None, offload_params=None, overlap_step=False, shard_group=None, process_set=None,
                  reshard_root_after_forward=False, device=None, init_fn=None):
+        self._build(optimizer, model, None, named_parameters, stage, param_dtype, reduce_dtype,
+                    backward_passes_per_step, loss_scaler, overlap_param_gather, cast_forward_inputs, units,
+                    reshard_after_forward, offload_optimizer, nvme_path, offload_params, overlap_step, shard_group,
+                    process_set, reshard_root_after_forward, device, init_fn)
+
+    def _build(self, optimizer, model, tag, named_parameters, stage, param_dtype, reduce_dtype,
+               backward_passes_per_step, loss_scaler, overlap_param_gather, cast_forward_inputs, units,
+               reshard_after_forward, offload_optimizer, nvme_path, offload_params, overlap_step, shard_group,
+               process_set, reshard_root_after_forward, device, init_fn):
+        """The constructor's work, and _rejoin()'s; `tag`: the collectives' tag to keep
+        (hybrid.shard_groups), None for the job's next one."""
         if loss_scaler is None and param_dtype == torch.float16:
             loss_scaler = LossScaler()
         named_parameters = list(named_parameters) if named_parameters is not None else None
@@ -131,7 +142,7 @@ class DistributedZeroOptimizer:
         self.stage = options.stage
         self.loss_scaler = loss_scaler
         self.step_count = 0
-        groups = hybrid.shard_groups(options.shard_group, options.process_set)
+        groups = hybrid.shard_groups(options.shard_group, options.process_set, tag)
         self._names = check_names(optimizer, model, named_parameters)
         self._model = weakref.ref(model) if model is not None else None
         params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -224,7 +235,9 @@ class DistributedZeroOptimizer:
         args = dict(self._init_args)
         if self.stage == 3:  # the parameters hold no values at rest: made again unit by unit, as from meta
             args.update(device=st.param_device, init_fn=meta_init.to_meta(model, st.params, st.shards))
-        self.__init__(self.optimizer, model, **args)
+        # The same tag as before: a worker that joins names this optimizer by the order its
+        # script builds optimizers, which this process followed too.
+        self._build(self.optimizer, model, self._storage.groups.tag, **args)
 
     def add_param_group(self, param_group):
         """Adds a param group, as torch.optim.Optimizer.add_param_group does, and shards

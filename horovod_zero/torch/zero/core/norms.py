@@ -8,7 +8,7 @@ from horovod_zero.torch import enqueue as ops
 from horovod_zero.torch.basics import _core
 
 
-def global_norm(grads, process_set, device, scale=1.0, order_after=None, tag="zero"):
+def global_norm(grads, process_set, device, scale=1.0, order_after=None, *, tag):
     """The L2 norm of every rank's `grads` (over `process_set`, the ranks that hold one
     copy of every shard), times `scale`, as a 0-dim fp64 tensor. fp32 math per tensor
     (bf16 shards too), fp64 across tensors and ranks. `device`: where the allreduce
@@ -39,7 +39,7 @@ def clip_coef_tensor(total, max_norm):
     return torch.clamp(max_norm / (total + 1e-6), max=1.0)
 
 
-def found_inf(grads, process_set, device, tag="zero"):
+def found_inf(grads, process_set, device, *, tag):
     """Whether any rank's `grads` hold an inf or NaN (over `process_set`: every rank
     of the optimizer, so that all of them skip the step alike)."""
     finite = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)

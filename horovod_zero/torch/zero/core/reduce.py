@@ -8,7 +8,7 @@ Where the reduced shards go is the sink's business (core/protocols.py GradSink):
 master shards' .grad (core/step.py), or the host (offload/).
 
 [Note: one count of reductions on every rank]
-The k-th reduction of a parameter in a step is the collective zero.grad.<index>.<k>, so
+The k-th reduction of a parameter in a step is the collective <tag>.grad.<index>.<k>, so
 every rank must make as many reductions of each parameter, or one waits for a name the
 others never submit. During backward each rank reduces what its own backward produced,
 and ranks may differ: a branch one rank's forward took (a reduction each pass without

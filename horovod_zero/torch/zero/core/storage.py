@@ -63,8 +63,7 @@ class ShardedStorage:
                 for s, p in zip(gs, g["params"])}
         stores = {}
         for batch in (batches(params) if batches is not None else [params]):
-            _broadcast_initial_values([slot[p][0] for p in batch], batch, self.groups,
-                                      self.groups.scope.root)
+            _broadcast_initial_values([slot[p][0] for p in batch], batch, self.groups)
             for p in batch:
                 s, master_slice = slot[p]
                 stores[s.index] = self._rehome(s, p, master_slice, chunk)
@@ -170,12 +169,12 @@ class ShardedStorage:
         return self.shards[i].numel == 0 or p.data_ptr() == store.data_ptr()
 
 
-def _broadcast_initial_values(shards, params, groups, root):
+def _broadcast_initial_values(shards, params, groups):
     """Every rank starts from rank 0's values, as DDP does at construction. The fp32
     master shards are built from them, so a broadcast_parameters() after wrapping
     (which would reach the parameters but not the masters) changes nothing."""
     with torch.no_grad():
-        process_set, tag = groups.scope.process_set, groups.tag
+        process_set, root, tag = groups.scope.process_set, groups.scope.root, groups.tag
         handles = [ops._enqueue_one(ops._core.OP_BROADCAST, p.data, p.data, f"{tag}.init.{s.index}", root=root,
                                     process_set=process_set) for s, p in zip(shards, params) if p.is_contiguous()]
         ops.synchronize(handles)
