@@ -61,11 +61,11 @@ def test_the_step_in_chunks_on_cuda_gives_the_whole_steps_values(gpus, stage, kw
         assert err < 1e-5, err
 
 
-@pytest.mark.parametrize("stage,overlap", [(2, False), (2, True), (3, False)],
-                         ids=["stage2", "stage2-overlap-gather", "stage3"])
-def test_two_optimizers_in_one_job_on_cuda(gpus, stage, overlap):
+@pytest.mark.parametrize("stage,overlap,clip", [(2, False, None), (2, True, None), (3, False, None), (2, False, 0.05)],
+                         ids=["stage2", "stage2-overlap-gather", "stage3", "stage2-clip-scaled"])
+def test_two_optimizers_in_one_job_on_cuda(gpus, stage, overlap, clip):
     """Their gathers and reductions in flight at once, each under its own tag."""
-    two.check_two_optimizers(gpus, stage, overlap, "cuda")
+    two.check_two_optimizers(gpus, stage, overlap, clip, device="cuda")
 
 
 @pytest.mark.parametrize("stage,mode", [(1, "bpps"), (2, "bpps"), (2, "perpass")])
