@@ -31,6 +31,12 @@ def is_comm(name):
     return "nccl" in name.lower() or name.startswith("Memcpy PtoP")
 
 
+def load_events(path):
+    """The events of a Chrome trace, gzipped (as profile_parts keeps them) or not."""
+    with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
+        return json.load(f)["traceEvents"]
+
+
 def busiest_gpu_events(events):
     """The GPU events of a Chrome trace on the device that ran most of them (a rank's
     own GPU; a trace may show others'), or [] when it has none."""

@@ -13,12 +13,11 @@ and waits are where to look.
 
     python examples/trace_comm.py traces/trace_zero3.rank*.json.gz
 """
-import gzip
-import json
 import statistics
 import sys
 
-from step_breakdown import _GPU_CATS, _LAUNCH_CATS, busiest_gpu_events, is_comm, kernel_intervals, partition
+from step_breakdown import (_GPU_CATS, _LAUNCH_CATS, busiest_gpu_events, is_comm, kernel_intervals, load_events,
+                            partition)
 
 LATE_US = 100.0  # a collective launched less than this before it ran waited for its launch
 
@@ -55,8 +54,7 @@ def describe(name, s):
 
 def main(paths):
     for path in paths:
-        with gzip.open(path) if path.endswith(".gz") else open(path, "rb") as f:
-            events = json.load(f)["traceEvents"]
+        events = load_events(path)
         print(describe(path, comm_summary(events)))
 
 

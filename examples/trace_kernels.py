@@ -8,11 +8,9 @@ The traces are bench_zero --breakdown --trace-dir's (three profiled steps each, 
 says otherwise); only the GPU that ran the most kernels in each trace is counted.
 """
 import argparse
-import gzip
-import json
 from collections import Counter
 
-from step_breakdown import busiest_gpu_events
+from step_breakdown import busiest_gpu_events, load_events
 
 
 def kernel_key(name):
@@ -40,11 +38,6 @@ def differences(base, other):
     return sorted(rows, key=lambda r: -abs(r[0]))
 
 
-def _load(path):
-    with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
-        return json.load(f)["traceEvents"]
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("base")
@@ -52,9 +45,9 @@ def main():
     ap.add_argument("--steps", type=int, default=3, help="steps in each trace")
     ap.add_argument("--top", type=int, default=20)
     args = ap.parse_args()
-    base = per_step(_load(args.base), args.steps)
+    base = per_step(load_events(args.base), args.steps)
     for path in args.traces:
-        other = per_step(_load(path), args.steps)
+        other = per_step(load_events(path), args.steps)
         total = sum(t for t, _ in other.values()) - sum(t for t, _ in base.values())
         print(f"{path}: {total:+.2f} ms of kernel time per step against {args.base}")
         for diff, k, (t, n), (tb, nb) in differences(base, other)[:args.top]:

@@ -10,11 +10,9 @@ last compute kernel that started before the step's first optimizer kernel) to
 kernel on the compute stream started.
 """
 import argparse
-import gzip
-import json
 from collections import Counter
 
-from step_breakdown import _GPU_CATS, busiest_gpu_events, kernel_intervals
+from step_breakdown import _GPU_CATS, busiest_gpu_events, kernel_intervals, load_events
 
 GAP_US = 20.0  # kernels of one kind on one stream closer than this form one segment
 
@@ -78,8 +76,7 @@ def main():
     ap.add_argument("--span-ms", type=float, default=15.0)
     args = ap.parse_args()
     for path in args.traces:
-        with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
-            events = json.load(f)["traceEvents"]
+        events = load_events(path)
         for n, (_, segs, nxt) in enumerate(tails(events, args.span_ms * 1e3)):
             when = f"{nxt / 1e3:.2f} ms" if nxt is not None else "not in the trace"
             print(f"{path}, step {n}: next forward's first kernel at {when}")
