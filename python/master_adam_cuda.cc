@@ -1,6 +1,7 @@
 // _core.master_adam_step: csrc/cuda/master_adam.h on torch tensors, queued on the
 // current CUDA stream of their device. The caller has added 1 to each `step` already,
-// as torch's fused Adam does before its kernel.
+// as torch's fused Adam does before its kernel. `copies` (optional, one per param, bf16
+// or fp16): where each new parameter is also written in that dtype.
 #include "master_adam.h"
 
 #include <ATen/ATen.h>
@@ -35,14 +36,22 @@ DataType GradType(at::ScalarType t) {
 void Step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
           const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
           const std::vector<at::Tensor>& steps, double lr, double beta1, double beta2, double eps,
-          double weight_decay, bool decoupled, bool maximize, double grad_scale) {
+          double weight_decay, bool decoupled, bool maximize, double grad_scale,
+          const std::vector<at::Tensor>& copies) {
   const size_t n = params.size();
   Check(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && steps.size() == n,
         "params, grads, exp_avgs, exp_avg_sqs and steps must be lists of the same length.");
+  Check(copies.empty() || copies.size() == n, "copies must be empty or one per param.");
   if (n == 0) return;
   const at::Device device = params[0].device();
   Check(device.is_cuda(), "the tensors are on " + device.str() + "; it steps CUDA tensors.");
   const DataType grad_type = GradType(grads[0].scalar_type());
+  DataType copy_type = DataType::kBFloat16;
+  if (!copies.empty()) {
+    Check(copies[0].scalar_type() == at::kBFloat16 || copies[0].scalar_type() == at::kHalf,
+          "copies must be bfloat16 or float16.");
+    copy_type = copies[0].scalar_type() == at::kHalf ? DataType::kFloat16 : DataType::kBFloat16;
+  }
   std::vector<MasterAdamDesc> descs(n);
   for (size_t i = 0; i < n; ++i) {
     const std::string at_i = " (tensor " + std::to_string(i) + ")";
@@ -59,6 +68,13 @@ void Step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& 
           "each step must be one float32 on the params' device" + at_i + ".");
     descs[i] = MasterAdamDesc{params[i].data_ptr<float>(), grads[i].data_ptr(), exp_avgs[i].data_ptr<float>(),
                               exp_avg_sqs[i].data_ptr<float>(), steps[i].data_ptr<float>(), count};
+    if (!copies.empty()) {
+      const at::Tensor& c = copies[i];
+      Check(c.device() == device && c.is_contiguous() && c.numel() == count,
+            "each copy must be contiguous on " + device.str() + ", with its param's numel" + at_i + ".");
+      Check(c.scalar_type() == copies[0].scalar_type(), "the copies must share one dtype" + at_i + ".");
+      descs[i].copy = c.data_ptr();
+    }
   }
   const MasterAdamHyper h{static_cast<float>(lr),   static_cast<float>(beta1),        static_cast<float>(beta2),
                           static_cast<float>(eps),  static_cast<float>(weight_decay), decoupled,
@@ -68,7 +84,7 @@ void Step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& 
   // device's stream, and the kernel would race the work queued on the tensors' device.
   const c10::cuda::CUDAGuard on(device);
   auto stream = static_cast<cudaStream_t>(CurrentCudaStream(device.index()));
-  const cudaError_t e = LaunchMasterAdam(descs.data(), static_cast<int>(n), grad_type, h, stream);
+  const cudaError_t e = LaunchMasterAdam(descs.data(), static_cast<int>(n), grad_type, h, stream, copy_type);
   if (e != cudaSuccess) throw std::runtime_error(std::string("master_adam_step: ") + cudaGetErrorString(e));
 }
 
@@ -78,7 +94,8 @@ void RegisterMasterAdam(py::module_& m) {
   m.attr("HAVE_MASTER_ADAM") = true;
   m.def("master_adam_step", &Step, py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
         py::arg("steps"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
-        py::arg("decoupled"), py::arg("maximize"), py::arg("grad_scale"));
+        py::arg("decoupled"), py::arg("maximize"), py::arg("grad_scale"),
+        py::arg("copies") = std::vector<at::Tensor>{});
 }
 
 }  // namespace hvdz

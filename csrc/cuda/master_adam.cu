@@ -26,6 +26,11 @@ __device__ __forceinline__ float ToFloat(float v) { return v; }
 __device__ __forceinline__ float ToFloat(__half v) { return __half2float(v); }
 __device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
 
+// As the gather's cast (batched_copy.cu): round to nearest even.
+template <typename C> __device__ __forceinline__ C FromFloat(float v);
+template <> __device__ __forceinline__ __half FromFloat<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
 template <typename G, int N>
 struct alignas(sizeof(G) * N) GradVec {
   G v[N];
@@ -46,7 +51,7 @@ __device__ __forceinline__ void Update(float& p, float g, float& m, float& v, co
   p -= step_size * m / denom;
 }
 
-template <typename G>
+template <typename G, typename C>
 __global__ void MasterAdamKernel(Batch b) {
   const MasterAdamDesc& d = b.d[blockIdx.y];
   const MasterAdamHyper& h = b.h;
@@ -58,12 +63,14 @@ __global__ void MasterAdamKernel(Batch b) {
   const G* __restrict__ g = static_cast<const G*>(d.grad);
   float* __restrict__ m = d.exp_avg;
   float* __restrict__ v = d.exp_avg_sq;
+  C* __restrict__ c = static_cast<C*>(d.copy);
   const int64_t n = d.count;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const bool aligned = (reinterpret_cast<uintptr_t>(p) | reinterpret_cast<uintptr_t>(m) |
                         reinterpret_cast<uintptr_t>(v)) % 16 == 0 &&
-                       reinterpret_cast<uintptr_t>(g) % sizeof(GradVec<G, kVec>) == 0;
+                       reinterpret_cast<uintptr_t>(g) % sizeof(GradVec<G, kVec>) == 0 &&
+                       reinterpret_cast<uintptr_t>(c) % sizeof(GradVec<C, kVec>) == 0;
   const int64_t nvec = aligned ? n / kVec : 0;
   for (int64_t k = first; k < nvec; k += stride) {
     float4 pv = reinterpret_cast<float4*>(p)[k];
@@ -77,6 +84,14 @@ __global__ void MasterAdamKernel(Batch b) {
     reinterpret_cast<float4*>(p)[k] = pv;
     reinterpret_cast<float4*>(m)[k] = mv;
     reinterpret_cast<float4*>(v)[k] = vv;
+    if (c != nullptr) {
+      GradVec<C, kVec> cv;
+      cv.v[0] = FromFloat<C>(pv.x);
+      cv.v[1] = FromFloat<C>(pv.y);
+      cv.v[2] = FromFloat<C>(pv.z);
+      cv.v[3] = FromFloat<C>(pv.w);
+      reinterpret_cast<GradVec<C, kVec>*>(c)[k] = cv;
+    }
   }
   for (int64_t k = nvec * kVec + first; k < n; k += stride) {
     float pk = p[k], mk = m[k], vk = v[k];
@@ -84,10 +99,11 @@ __global__ void MasterAdamKernel(Batch b) {
     p[k] = pk;
     m[k] = mk;
     v[k] = vk;
+    if (c != nullptr) c[k] = FromFloat<C>(pk);
   }
 }
 
-template <typename G>
+template <typename G, typename C>
 cudaError_t Launch(const MasterAdamDesc* descs, int n, const MasterAdamHyper& h, cudaStream_t stream) {
   constexpr int64_t kPerBlock = static_cast<int64_t>(kThreads) * kVec * 4;
   for (int base = 0; base < n; base += kMaxTensors) {
@@ -101,7 +117,7 @@ cudaError_t Launch(const MasterAdamDesc* descs, int n, const MasterAdamHyper& h,
     }
     if (longest == 0) continue;
     const int blocks = static_cast<int>(std::min<int64_t>((longest + kPerBlock - 1) / kPerBlock, kMaxBlocksPerTensor));
-    MasterAdamKernel<G><<<dim3(blocks, b.n), kThreads, 0, stream>>>(b);
+    MasterAdamKernel<G, C><<<dim3(blocks, b.n), kThreads, 0, stream>>>(b);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
   }
@@ -114,12 +130,28 @@ bool MasterAdamSupported(DataType grad) {
   return grad == DataType::kFloat16 || grad == DataType::kBFloat16 || grad == DataType::kFloat32;
 }
 
-cudaError_t LaunchMasterAdam(const MasterAdamDesc* descs, int n, DataType grad, const MasterAdamHyper& h,
-                             cudaStream_t stream) {
+bool MasterAdamCopySupported(DataType copy) { return copy == DataType::kFloat16 || copy == DataType::kBFloat16; }
+
+namespace {
+
+template <typename C>
+cudaError_t LaunchFor(const MasterAdamDesc* descs, int n, DataType grad, const MasterAdamHyper& h,
+                      cudaStream_t stream) {
   switch (grad) {
-    case DataType::kFloat16: return Launch<__half>(descs, n, h, stream);
-    case DataType::kBFloat16: return Launch<__nv_bfloat16>(descs, n, h, stream);
-    case DataType::kFloat32: return Launch<float>(descs, n, h, stream);
+    case DataType::kFloat16: return Launch<__half, C>(descs, n, h, stream);
+    case DataType::kBFloat16: return Launch<__nv_bfloat16, C>(descs, n, h, stream);
+    case DataType::kFloat32: return Launch<float, C>(descs, n, h, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+cudaError_t LaunchMasterAdam(const MasterAdamDesc* descs, int n, DataType grad, const MasterAdamHyper& h,
+                             cudaStream_t stream, DataType copy) {
+  switch (copy) {
+    case DataType::kFloat16: return LaunchFor<__half>(descs, n, grad, h, stream);
+    case DataType::kBFloat16: return LaunchFor<__nv_bfloat16>(descs, n, grad, h, stream);
     default: return cudaErrorInvalidValue;
   }
 }

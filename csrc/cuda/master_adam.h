@@ -19,6 +19,10 @@ struct MasterAdamDesc {
   float* exp_avg_sq;
   const float* step;  // the step count, already incremented for this step
   int64_t count;
+  // Where the new parameter is also written in the copy dtype given to LaunchMasterAdam
+  // (rounded to nearest even, as the gather's cast), or null: the gather then reads it
+  // as it is instead of casting the fp32 master again.
+  void* copy = nullptr;
 };
 
 struct MasterAdamHyper {
@@ -28,10 +32,12 @@ struct MasterAdamHyper {
   float grad_scale;  // each gradient is multiplied by it first (unscaling, clipping)
 };
 
-// Supported gradient dtypes: float16, bfloat16, float32.
+// Supported gradient dtypes: float16, bfloat16, float32; copy dtypes: float16, bfloat16.
 bool MasterAdamSupported(DataType grad);
+bool MasterAdamCopySupported(DataType copy);
 
+// `copy`: the dtype of every desc's non-null copy.
 cudaError_t LaunchMasterAdam(const MasterAdamDesc* descs, int n, DataType grad, const MasterAdamHyper& h,
-                             cudaStream_t stream);
+                             cudaStream_t stream, DataType copy = DataType::kBFloat16);
 
 }  // namespace hvdz

@@ -35,9 +35,10 @@ void Planner::AppendInPlace(const Group& g, const TensorEntry& e, bool gather_in
       break;
     case OpType::kAllgather:
       if (cast || gather_in_place) {
-        // The input lands in its own slot of the output, which is gathered in place.
+        // The input lands in its own slot of the output, which is gathered in place; an
+        // input that is that slot already (ZeRO's step writes it there) needs no copy.
         char* slot = At(out, n * rank_, r.out_dtype);
-        p->in.descs.push_back({e.input.data, slot, n});
+        if (cast || e.input.data != slot) p->in.descs.push_back({e.input.data, slot, n});
         p->calls.push_back({slot, out, n});
       } else {
         p->calls.push_back({e.input.data, out, n});

@@ -24,7 +24,9 @@ namespace {
 using testing::LoadElement;
 using testing::StoreElement;
 
-enum class Out { kInPlace, kGiven, kAllocated, kAllocationFails };
+// kSlot (allgather): the input is this rank's slot of the given output, as ZeRO's
+// step writes it ([Note: the step writes the gather's input]).
+enum class Out { kInPlace, kGiven, kAllocated, kAllocationFails, kSlot };
 
 struct TensorSpec {
   std::string name;
@@ -226,6 +228,16 @@ void Rank::Run(const GroupSpec& g) {
       case Out::kGiven: {
         HostTensor& out = Keep(out_dt, OutputShape(g, t, rank, size));
         for (int64_t j = 0; j < NumElements(out.shape); ++j) StoreElement(out.bytes.data(), out_dt, j, -1000);
+        e.output = out.desc();
+        outputs[name] = &out;
+        break;
+      }
+      case Out::kSlot: {  // even splits only: rank r's slot starts r inputs in
+        HostTensor& out = Keep(out_dt, OutputShape(g, t, rank, size));
+        for (int64_t j = 0; j < NumElements(out.shape); ++j) StoreElement(out.bytes.data(), out_dt, j, -1000);
+        uint8_t* slot = out.bytes.data() + rank * in.bytes.size();
+        std::copy(in.bytes.begin(), in.bytes.end(), slot);
+        e.input.data = slot;
         e.output = out.desc();
         outputs[name] = &out;
         break;
@@ -536,6 +548,22 @@ TEST(Executor, ALoneEvenAllgatherSendsFromItsSlotOfTheOutput) {
     EXPECT_EQ(call.recv, k.outputs["slot"]->bytes.data());
     EXPECT_EQ(call.count, 4);
   });
+}
+
+TEST(Executor, AnAllgatherWhoseInputIsItsSlotOfTheOutputCopiesNothing) {
+  // Alone (sent from its slot), and as each tensor of a direct group (in place, no cast).
+  std::vector<GroupSpec> gs;
+  {
+    auto g = Group(kAG, kF32, kF32, {T("slot.lone", {256}, Out::kSlot)});
+    g.cost = {0, -1, 0, 0, 1, false, 3 * 256 * 4};
+    gs.push_back(g);
+  }
+  {
+    auto g = Group(kAG, kBF16, kBF16, {T("slot.a", {1 << 20}, Out::kSlot), T("slot.b", {1 << 20}, Out::kSlot)});
+    g.cost = {0, -1, 0, 0, 2, true, 3 * 2 * (1 << 20) * 2};
+    gs.push_back(g);
+  }
+  RunAndCheck(gs, /*comm_groups=*/true);
 }
 
 // [Note: the gather lane]: a CUDA context picks an op's communicator and stream at

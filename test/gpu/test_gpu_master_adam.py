@@ -48,6 +48,30 @@ def test_master_adam_matches_torchs_fused_adam_on_the_cast_gradients(grad_dtype,
     assert not torch.equal(params[-1], _tensors(sizes, offset, 0)[0][-1])  # it stepped
 
 
+@pytest.mark.parametrize("copy_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("offset", [0, 1, 3])
+def test_master_adam_copies_are_the_new_params_cast_as_the_gather_casts(copy_dtype, offset):
+    """Each copy is its param after the step, rounded to nearest even: bit for bit what
+    the gather's cast of the master makes (the gather then reads the copy instead)."""
+    sizes = [1, 3, 4, 17, 4099, 1 << 20] + [5] * 40
+    params, _ = _tensors(sizes, offset, 0)
+    copies = [torch.full((n + offset,), float("nan"), device="cuda", dtype=copy_dtype)[offset:] for n in sizes]
+    m, v = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
+    steps = [torch.ones((), device="cuda") for _ in params]
+    _, grads = _tensors(sizes, offset, 7)
+    _core.master_adam_step(params, [g.bfloat16() for g in grads], m, v, steps, lr=1e-3, beta1=0.9, beta2=0.95,
+                           eps=1e-8, weight_decay=0.1, decoupled=True, maximize=False, grad_scale=0.5, copies=copies)
+    for p, c in zip(params, copies):
+        assert torch.equal(c, p.to(copy_dtype)), (p.numel(), (c.float() - p).abs().max())
+    with pytest.raises(ValueError, match="one per param"):
+        _core.master_adam_step(params, grads, m, v, steps, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8,
+                               weight_decay=0.0, decoupled=True, maximize=False, grad_scale=1.0, copies=copies[:1])
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        _core.master_adam_step(params, grads, m, v, steps, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8,
+                               weight_decay=0.0, decoupled=True, maximize=False, grad_scale=1.0,
+                               copies=[p.clone() for p in params])
+
+
 def test_master_adam_names_what_is_wrong():
     p = torch.zeros(8, device="cuda")
     ok = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True, maximize=False,

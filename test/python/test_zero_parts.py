@@ -491,6 +491,70 @@ def test_reducer_master_grads_are_this_ranks_shard_of_the_rank_average_times_uns
             assert out["in_block"] == (0, 0), "nothing is reduced inside a coalesce() block"
 
 
+FOLDS = {"none": lambda s: False, "all": lambda s: True, "even": lambda s: s.index % 2 == 0}
+
+
+def _reduced_summing(folds, eager, passes, bpps, coalesce, raw):
+    """As _reduced, with a sink that folds the mean into its own multiply for the shards
+    `folds` names: the reductions (op per shard), and each shard's gradient as the step reads
+    it: its .grad, or with `raw` (the master Adam path) the uncast output times its factor."""
+    from horovod_zero.torch import enqueue as ops
+    st, params, _ = _build()
+    sink = MasterGrads(st, folds=FOLDS[folds])
+    red = GradReducer(st, sink, eager, bpps, torch.bfloat16 if raw else None, 1)
+    red.extend(len(params))
+    seen, enqueue = {}, ops._enqueue
+
+    def spy(op, ins, outs, names, reduce_op=ops.Sum, *args, **kwargs):
+        for n in names:
+            if ".grad." in n:
+                seen.setdefault(int(n.split(".")[2]), set()).add("sum" if reduce_op == ops.Sum else "average")
+        return enqueue(op, ins, outs, names, reduce_op, *args, **kwargs)
+    ops._enqueue = spy
+    try:
+        if coalesce:
+            with red.coalesce():
+                for k in range(passes):
+                    _backward(params, red, k, eager)
+        else:
+            for k in range(passes):
+                _backward(params, red, k, eager)
+        red.finish(0.25)
+    finally:
+        ops._enqueue = enqueue
+    kept = sink.take_deferred(raw=(lambda i: True) if raw else None)
+    grads = [None if m.grad is None else _values(m.grad) for m in st.master_params]
+    for i, (out, factor) in kept.items():
+        grads[i] = _values(out.float() * factor)
+    return {i: sorted(v) for i, v in seen.items()}, grads, sorted(kept)
+
+
+@pytest.mark.parametrize("folds", ["none", "all", "even"])
+@pytest.mark.parametrize("eager,passes,bpps,coalesce,raw", [
+    (True, 1, 1, False, False),   # stage 2
+    (False, 1, 1, False, False),  # stage 1
+    (True, 2, 2, False, False),   # two passes, one reduction
+    (True, 2, 1, True, False),    # coalesce(): the passes' sum reduced on exit
+    (True, 1, 1, False, True),    # bf16 reductions handed over uncast, as to the master Adam kernel
+], ids=["stage2", "stage1", "bpps2", "coalesce2", "uncast"])
+def test_reducer_sums_where_the_sink_applies_the_mean_and_the_gradient_is_still_the_average(
+        ranks, folds, eager, passes, bpps, coalesce, raw):
+    for r, (seen, grads, kept) in enumerate(ranks.run(_reduced_summing, folds, eager, passes, bpps, coalesce, raw)):
+        for i in (0, 1, 2, 3):  # the trained ones; 3 had no gradient anywhere and is reduced as zeros
+            want = "sum" if FOLDS[folds](type("S", (), {"index": i})) and ranks.size > 1 else "average"
+            assert seen[i] == [want], (r, i, seen)
+        assert FROZEN not in seen
+        for i in range(len(SHAPES)):
+            if i == FROZEN or HAS_GRAD.get(i) == "none":
+                assert grads[i] is None, (r, i)
+                continue
+            tol = 2e-2 if raw else 1e-6  # bf16 on the wire
+            torch.testing.assert_close(torch.tensor(grads[i]), _expected_grad(r, ranks.size, i, passes, 0.25),
+                                       rtol=tol, atol=tol, msg=lambda m: f"rank {r} param {i}: {m}")
+        if raw:
+            assert kept == [0, 1, 2], kept
+
+
 def _outputs_alive_at_each_take(eager, take_bytes):
     """For each batch the sink takes in finish(): how many earlier batches' reduced outputs
     are still alive, and the batch's size. None are alive: they are freed as they are taken

@@ -160,12 +160,14 @@ def _stand_in_kernel():
     calls = []
 
     def step(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay, decoupled, maximize,
-             grad_scale):
+             grad_scale, copies=()):
         assert len({g.dtype for g in grads}) == 1, [g.dtype for g in grads]
         calls.append(len(params))
         fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
         fused(params, [g.float() * grad_scale for g in grads], exp_avgs, exp_avg_sqs, [], steps, amsgrad=False,
               maximize=maximize, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+        for p, c in zip(params, copies):
+            c.copy_(p)
     saved = master_adam.available, master_adam._core
     master_adam.available = lambda device: True
     master_adam._core = types.SimpleNamespace(master_adam_step=step, HAVE_MASTER_ADAM=True)

@@ -59,6 +59,9 @@ class EarlySink:
         if self.hyper is None:
             self.hyper = hyper.snapshot(self._optimizer.param_groups)
 
+    def sums(self, s):
+        return False  # the runtime averages: no multiply of this sink's to fold the mean into
+
     def set_unscale(self, factor):
         assert factor == 1.0, "overlap_step refuses loss scaling (options.py)"
 

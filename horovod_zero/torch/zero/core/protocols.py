@@ -29,6 +29,12 @@ class GradSink(Protocol):
     def begin(self) -> None:
         """A gradient of this step is ready (backward has begun)."""
 
+    def sums(self, s: ParamShard) -> bool:
+        """Whether shard s is reduced as a Sum whose 1/size the sink applies itself, in a
+        multiply it makes anyway, instead of the runtime's Average ([Note: the mean in the
+        step's multiply] in core/step.py). The same answer for every reduction of s until
+        the sink takes them."""
+
     def set_unscale(self, factor: float) -> None:
         """The factor (loss-scale unscaling) this step's gradients are used with."""
 

@@ -191,6 +191,9 @@ class GradReducer:
         device = self._storage.param_device
         ins = [self._padded_grad(s, g, dtype, device) for s, g, dtype in taken]
         outs = [b.new_empty(s.shard) for b, (s, _, _) in zip(ins, taken)]
+        # Sum where the sink applies the mean in a multiply of its own ([Note: the mean in
+        # the step's multiply] in core/step.py), else the runtime's Average.
+        summed = [self._sink.sums(s) for s, _, _ in taken]
         # The k-th reduction of a parameter in a step has its own name; the ranks make as
         # many of each: [Note: one count of reductions on every rank].
         names, seen = [], {}
@@ -205,8 +208,14 @@ class GradReducer:
             seen[s.index] = seen.get(s.index, 0) + 1
             names.append(f"{self._groups.tag}.grad.{s.index}.{k}")
         # The runtime holds the inputs until their collective is done, then frees them.
-        handles = ops._enqueue(_core.OP_REDUCESCATTER, ins, outs, names, ops.Average,
-                               process_set=self._groups.shard_set)
+        handles = [None] * len(taken)
+        for op, want in ((ops.Sum, True), (ops.Average, False)):
+            idx = [k for k, x in enumerate(summed) if x == want]
+            if idx:
+                hs = ops._enqueue(_core.OP_REDUCESCATTER, [ins[k] for k in idx], [outs[k] for k in idx],
+                                  [names[k] for k in idx], op, process_set=self._groups.shard_set)
+                for k, h in zip(idx, hs):
+                    handles[k] = h
         for h, out, (s, _, _) in zip(handles, outs, taken):
             self._pending.setdefault(s.index, []).append((h, out))
         if self._release_stream is not None:

@@ -25,7 +25,16 @@ class MasterGrads:
     """GradSink: each shard's reductions, summed in fp32 and unscaled, as its master's .grad.
     A single reduction in param_dtype is deferred: cast when the step first reads it
     (take_deferred()), so that the step of the shards reduced first does not wait for
-    the last reductions ([Note: the step in chunks] in core/step_chunks.py)."""
+    the last reductions ([Note: the step in chunks] in core/step_chunks.py).
+
+    [Note: the mean in the step's multiply]
+    The runtime averages a reduce-scatter with a pass of its own over the output after
+    the sum (a bf16 read and write of every shard: 2.4 ms a step of HBM time beside
+    backward at 1.2B on 2 H100s, and the embedding's on the tail before its step). Where
+    the step multiplies the gradient anyway, `sums(s)` is true: the shard is reduced as
+    a Sum and the 1/size joins that multiply, in fp32 (the master Adam kernel's
+    grad_scale, core/master_adam.py). The answer is kept per shard until its reductions
+    are taken, so every reduction of a shard in one step uses one op and one factor."""
 
     takes_early = False
     one_reduction = False
@@ -34,14 +43,28 @@ class MasterGrads:
 
     TAKE_BYTES = 64 << 20  # deferred outputs cast at once, as GradReducer.TAKE_BYTES
 
-    def __init__(self, storage):
+    def __init__(self, storage, folds=None):
+        """`folds(s)`: whether the step multiplies shard s's gradient anyway (None: never)."""
         self._st = storage
+        self._folds = folds
+        self._mean = 1.0 / storage.size
         self._unscale = 1.0
         self._deferred = {}  # shard index -> its reduced output, in the order reduced
         self._order = None  # GradReducer.order_shards of the deferred outputs
+        self._summed = {}  # shard index -> sums(s) for this step's reductions, until taken
 
     def begin(self):
         pass
+
+    def sums(self, s):
+        summed = self._summed.get(s.index)
+        if summed is None:
+            summed = self._summed[s.index] = self._folds is not None and self._st.size > 1 and bool(self._folds(s))
+        return summed
+
+    def _factor(self, index):
+        """The factor shard `index`'s reductions are used with; forgets its sums() answer."""
+        return self._unscale * self._mean if self._summed.pop(index, False) else self._unscale
 
     def set_unscale(self, factor):
         self._unscale = factor
@@ -52,8 +75,9 @@ class MasterGrads:
         g = outs[0].to(device=master.device, dtype=torch.float32)  # no copy when already there
         for o in outs[1:]:
             g.add_(o.to(g.device))
-        if self._unscale != 1.0:
-            g.mul_(self._unscale)  # in fp32: the scaled fp16 values are exact, the unscaled ones may not be
+        factor = self._factor(s.index)
+        if factor != 1.0:
+            g.mul_(factor)  # in fp32: the scaled fp16 values are exact, the unscaled ones may not be
         master.grad = g
 
     def take_grads(self, items):
@@ -65,16 +89,19 @@ class MasterGrads:
             self._deferred.pop(s.index, None)
             master = self._st.master_params[s.index]
             if len(outs) == 1 and outs[0].dtype != torch.float32 and outs[0].device == master.device:
-                cast.append((master, outs[0]))
+                cast.append((master, outs[0], self._factor(s.index)))
             else:
                 self.take_grad(s, outs, early=False, local=local)
         if not cast:
             return
-        grads = fp32_copies([o for _, o in cast])
-        if self._unscale != 1.0:
-            torch._foreach_mul_(grads, self._unscale)  # in fp32, as take_grad()
-        for (master, _), g in zip(cast, grads):
+        grads = fp32_copies([o for _, o, _ in cast])
+        by_factor = {}
+        for (master, _, factor), g in zip(cast, grads):
             master.grad = g
+            if factor != 1.0:
+                by_factor.setdefault(factor, []).append(g)
+        for factor, gs in by_factor.items():
+            torch._foreach_mul_(gs, factor)  # in fp32, as take_grad()
 
     def defer(self, items, order):
         """Each (s, out): shard s's one reduction of this step, its output `out` to be read
@@ -92,7 +119,7 @@ class MasterGrads:
         current stream ordered after their reductions first, TAKE_BYTES of outputs cast at a
         time and freed as they are (the two never all exist at once). Those for which
         raw(index) is true are returned uncast instead, {index: output}, their masters'
-        .grad None, to be stepped with the factor `unscale`."""
+        .grad None, as {index: (output, factor)}: to be stepped with that factor."""
         todo = list(self._deferred) if indices is None else [i for i in indices if i in self._deferred]
         if not todo:
             return {}
@@ -103,7 +130,7 @@ class MasterGrads:
         for i in todo:
             out = self._deferred.pop(i)
             if raw is not None and raw(i):
-                kept[i] = out
+                kept[i] = (out, self._factor(i))
                 masters[i].grad = None  # not a gradient left from an earlier step
                 continue
             batch.append((shards[i], [out], False))
@@ -114,34 +141,61 @@ class MasterGrads:
         self.take_grads(batch)
         return kept
 
-    @property
-    def unscale(self):
-        return self._unscale
-
     def no_grad(self, s):
         # grad None: the inner optimizer skips the parameter (no weight decay, no momentum).
         self._deferred.pop(s.index, None)
+        self._summed.pop(s.index, None)
         self._st.master_params[s.index].grad = None
 
     def clear(self):
         """zero_grad(): the deferred outputs are dropped (the reducer orders and releases
         their reductions)."""
         self._deferred.clear()
+        self._summed.clear()
 
 
 class MasterSource:
-    """GatherSource: the fp32 master shards, cast to param_dtype in the gather's copy-in."""
+    """GatherSource: the fp32 master shards, cast to param_dtype in the gather's copy-in.
+
+    [Note: the step writes the gather's input]
+    At stages 1 and 2 with downcast, a shard the master Adam kernel steps gets its new
+    value written in param_dtype straight into this rank's own slot of the parameter's
+    buffer, which its allgather then gathers in place: no cast kernel before the gather
+    (it read 4 and wrote 2 bytes per element; the step writes 2 more). slots() hands
+    the step those slots, wrote() records them, and the gather of each reads its slot
+    once instead of the master. Stage 3 has no parameter buffer between steps."""
 
     in_param_dtype = False
     stream = None
 
-    def __init__(self, storage):
+    def __init__(self, storage, write_slots=False):
         self._st = storage
+        self._write_slots = write_slots and not storage.sharded_params and storage.param_device.type == "cuda" \
+            and storage.master_device == storage.param_device
+        self._written = {}  # shard index -> its slot, holding its master's value in param_dtype
+
+    def slots(self, indices):
+        """This rank's slot of each of these shards' parameter buffers (allocated), for the
+        step to write, or None where the gather casts the master instead."""
+        st = self._st
+        if not self._write_slots or any(st.stores[i].dtype not in (torch.bfloat16, torch.float16) for i in indices):
+            return None
+        return [st.allocate(i)[st.rank * st.shards[i].shard:(st.rank + 1) * st.shards[i].shard] for i in indices]
+
+    def wrote(self, indices, slots):
+        """The step wrote these shards' new values into `slots` (queued on the current stream)."""
+        self._written.update(zip(indices, slots))
+
+    def forget(self):
+        self._written.clear()
 
     def before(self, indices):
         pass
 
     def tensor(self, i, store):
+        slot = self._written.pop(i, None)
+        if slot is not None:
+            return slot
         master = self._st.master_params[i].detach()
         return master if master.device == self._st.param_device else master.to(self._st.param_device)
 
@@ -153,11 +207,12 @@ class DeviceStep:
         self._st = storage
         self._optimizer = optimizer
         self._fused = fused_step  # Adam/AdamW left to its default kernel: the fused one (core/fused.py)
-        self.sink = MasterGrads(storage)
-        self.gatherer = ParamGatherer(storage, MasterSource(storage), downcast)
         # The step in chunks, in the order of the reductions; at stages 1-2 each chunk's
         # gather under the next one's step.
-        self.chunked = ChunkedStep(storage, optimizer, step_chunk_bytes, master_adam)
+        source = MasterSource(storage, write_slots=downcast)
+        self.chunked = ChunkedStep(storage, optimizer, step_chunk_bytes, master_adam, source)
+        self.sink = MasterGrads(storage, folds=self.chunked.steps_uncast)
+        self.gatherer = ParamGatherer(storage, source, downcast)
         if fused_step:
             fused.prefer_fused(optimizer)
 

@@ -41,11 +41,15 @@ from horovod_zero.torch.zero.core.adam_subset import adam_step, steps_piecewise
 
 
 class ChunkedStep:
-    def __init__(self, storage, optimizer, chunk_bytes, use_master_adam=False):
+    def __init__(self, storage, optimizer, chunk_bytes, use_master_adam=False, source=None):
+        """`source`: the gathers' MasterSource, whose slots the master Adam kernel writes
+        ([Note: the step writes the gather's input] in core/step.py); None: it writes none."""
         self._st = storage
         self._optimizer = optimizer
+        self._source = source
         self._master_adam = use_master_adam and master_adam.available(storage.param_device)
         self._chunk_numel = chunk_bytes // 4  # fp32 master elements
+        self._total = (0, 0)  # (shards, their fp32 master elements)
         self.chunks_last_step = 0  # for tests and stats: 0 when the last step ran whole
         self.uncast_last_step = 0  # shards the last step stepped from uncast gradients (master_adam)
 
@@ -53,8 +57,18 @@ class ChunkedStep:
         """Whether step(closure) is stepped in chunks: more than one chunk to make."""
         if not self._chunk_numel or closure is not None:
             return False
-        total = sum(s.shard for s in self._st.shards)
-        return total > self._chunk_numel and steps_piecewise(self._optimizer)
+        shards = self._st.shards
+        if self._total[0] != len(shards):  # asked per shard in backward: summed once per add_groups()
+            self._total = (len(shards), sum(s.shard for s in shards))
+        return self._total[1] > self._chunk_numel and steps_piecewise(self._optimizer)
+
+    def steps_uncast(self, s):
+        """Whether shard s, reduced in this step, is stepped from its reduced gradient with a
+        multiply of the step's own (the master Adam kernel's grad_scale) when the step goes
+        in chunks. A step that then goes whole (a closure) casts it and multiplies apart."""
+        if not self._master_adam or not self._chunk_numel:
+            return False
+        return master_adam.fits(self._optimizer.param_groups[s.group]) and self.applies(None)
 
     def _chunks(self, deferred):
         """Whole shards, those whose gradient is already cast (or absent) first, then the
@@ -81,6 +95,8 @@ class ChunkedStep:
         # CUDA: torch's fused Adam groups step from the reduced gradients uncast (core/master_adam.py).
         direct = [self._master_adam and master_adam.fits(g) for g in groups]
         self.chunks_last_step = self.uncast_last_step = 0
+        if self._source is not None:
+            self._source.forget()  # nothing written by a step that raised before its gathers
         stepped = []
         for chunk in self._chunks(sink.deferred):
             raw = sink.take_deferred(chunk, raw=lambda i: direct[shards[i].group])
@@ -89,12 +105,18 @@ class ChunkedStep:
                 if masters[i].grad is not None or i in raw:
                     by_group.setdefault(shards[i].group, []).append(i)
             for k, indices in by_group.items():
-                uncast = [i for i in indices if i in raw]
+                uncast = {}  # factor -> shard indices
+                for i in indices:
+                    if i in raw:
+                        uncast.setdefault(raw[i][1], []).append(i)
                 cast = [masters[i] for i in indices if i not in raw]  # before raw.pop() below
-                if uncast:
-                    self.uncast_last_step += len(uncast)
-                    master_adam.step(self._optimizer, groups[k], [masters[i] for i in uncast],
-                                     [raw.pop(i) for i in uncast], sink.unscale)
+                for factor, ids in uncast.items():
+                    self.uncast_last_step += len(ids)
+                    slots = self._source.slots(ids) if self._source is not None else None
+                    master_adam.step(self._optimizer, groups[k], [masters[i] for i in ids],
+                                     [raw.pop(i)[0] for i in ids], factor, copies=slots)
+                    if slots is not None:
+                        self._source.wrote(ids, slots)
                 if cast:
                     adam_step(self._optimizer, groups[k], cast)
                 for m in cast:

@@ -95,6 +95,9 @@ class OverlapSink:
 
     # --- the GradReducer's side -----------------------------------------------
 
+    def sums(self, s):
+        return False  # the runtime averages: no multiply of this sink's to fold the mean into
+
     def set_unscale(self, factor):
         self.host.set_unscale(factor)
 
