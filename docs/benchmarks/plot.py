@@ -35,10 +35,11 @@ SYSTEMS = OrderedDict([
 
 
 def load():
-    """The rows, less upper-bound experiments that do not train (bench_zero --no-lookup-grad)."""
+    """The rows, less upper-bound experiments that do not train (bench_zero --no-lookup-grad)
+    and runs of trees other than their commit's (settings "experiment")."""
     with open(HERE / "results.jsonl") as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    return [r for r in rows if r.get("settings", {}).get("lookup_grad", True)]
+    return [r for r in rows if r.get("settings", {}).get("lookup_grad", True) and "experiment" not in r["settings"]]
 
 
 def run_key(r):
