@@ -228,3 +228,33 @@ def test_the_uncast_path_steps_each_shard_once_as_the_cast_path_does(two_ranks, 
         assert not any(u0) and u1[-1] > 0 and calls, (u0, u1, calls)
         assert counts0 == counts1 == [3.0], (counts0, counts1)  # every shard stepped once a step
         assert all(torch.equal(a, b) for a, b in zip(w0, w1))  # the stand-in is torch's own kernel
+
+
+def _hook_on_rank0_run(uncast):
+    """Three steps of stage 2 where only rank 0's inner optimizer has a step pre-hook (a
+    logging hook, say): that rank steps whole, the others in chunks."""
+    model = mlp()
+    with _stand_in_kernel() if uncast else contextlib.nullcontext(), \
+            scoped_env(HOROVOD_ZERO_STEP_CHUNK_BYTES=64, HOROVOD_ZERO_MASTER_ADAM=int(uncast)):
+        opt = hvd.DistributedZeroOptimizer(adamw(model.named_parameters()), model=model, stage=2)
+        n, r = hvd.size(), hvd.rank()
+        if r == 0:
+            opt.optimizer.register_step_pre_hook(lambda *a: None)
+        for step in range(3):
+            x, y = batch(step, 0)
+            mse(model, rank_rows(x, r, n), rank_rows(y, r, n)).backward()
+            opt.step()
+            opt.zero_grad()
+        opt.wait_for_params()
+        return [p.detach().clone() for p in model.parameters()], opt._step.chunked.chunks_last_step
+
+
+def test_a_step_pre_hook_on_one_rank_leaves_the_reductions_agreeing(two_ranks):
+    """Whether a shard is reduced as a Sum (its mean applied by the uncast step) is decided from
+    what every rank shares, so a hook that makes one rank step whole changes no op."""
+    cast = two_ranks.run(_hook_on_rank0_run, False)
+    uncast = two_ranks.run(_hook_on_rank0_run, True)
+    for r, ((w0, _), (w1, chunks)) in enumerate(zip(cast, uncast)):
+        assert (chunks == 0) == (r == 0), (r, chunks)
+        for a, b in zip(w0, w1):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

@@ -57,18 +57,23 @@ class ChunkedStep:
         """Whether step(closure) is stepped in chunks: more than one chunk to make."""
         if not self._chunk_numel or closure is not None:
             return False
+        return self._several_chunks() and steps_piecewise(self._optimizer)
+
+    def _several_chunks(self):
         shards = self._st.shards
         if self._total[0] != len(shards):  # asked per shard in backward: summed once per add_groups()
             self._total = (len(shards), sum(s.shard for s in shards))
-        return self._total[1] > self._chunk_numel and steps_piecewise(self._optimizer)
+        return self._total[1] > self._chunk_numel
 
     def steps_uncast(self, s):
         """Whether shard s, reduced in this step, is stepped from its reduced gradient with a
         multiply of the step's own (the master Adam kernel's grad_scale) when the step goes
-        in chunks. A step that then goes whole (a closure) casts it and multiplies apart."""
+        in chunks. Only from what every rank shares (the kernel, the group's settings, the
+        sizes), not from a step pre-hook one rank may hold: the ranks' reductions must agree
+        on their op. A step that goes whole after all casts the gradient and multiplies apart."""
         if not self._master_adam or not self._chunk_numel:
             return False
-        return master_adam.fits(self._optimizer.param_groups[s.group]) and self.applies(None)
+        return master_adam.fits(self._optimizer.param_groups[s.group]) and self._several_chunks()
 
     def _chunks(self, deferred):
         """Whole shards, those whose gradient is already cast (or absent) first, then the
