@@ -742,6 +742,57 @@ def _gathered(param_dtype_name, downcast, sharded):
     return trace, wire, views, [str(p.dtype) for p in params], [_values(p) for p in params]
 
 
+def _slot_reads():
+    """A bf16 parameter gathered from its slot ([Note: the step writes the gather's input]):
+    what rank r's part of each gathered parameter holds when the step wrote its slot, when
+    the master changed after that, after forget(), and when nothing was written."""
+    from horovod_zero.torch.zero.core import master_adam
+    r = hvd.rank()
+    saved = master_adam.available
+    master_adam.available = lambda device: True  # as on CUDA, where the kernel writes the slots
+    try:
+        st, params, _ = _build(torch.bfloat16)
+        source = MasterSource(st, write_slots=True)
+    finally:
+        master_adam.available = saved
+    gatherer = ParamGatherer(st, source, True)
+    i, shard = 0, st.shards[0].shard
+    mine = slice(r * shard, (r + 1) * shard)
+    seen = {}
+
+    def gather(case):
+        gatherer.gather([i])
+        gatherer.wait()
+        seen[case] = _values(st.stores[i][mine])
+
+    def write(value):
+        slots = source.slots([i])
+        slots[0].fill_(value)
+        source.wrote([i], slots)
+    with torch.no_grad():
+        st.master_params[i].fill_(1.0)
+        write(7.0)
+        gather("written")
+        gather("read once")  # the next gather casts the master again
+        write(7.0)
+        st.master_params[i].fill_(2.0)  # rewritten after the step wrote its slot (a load, say)
+        gather("master changed")
+        write(7.0)
+        source.forget()
+        st.master_params[i].fill_(3.0)
+        gather("forgotten")
+    wire = sorted({s["dtype"] for s in hvd.collective_stats() if s["op"] == "allgather"})
+    return seen, source.slot_dtype(i), wire
+
+
+def test_a_slot_the_step_wrote_is_gathered_once_and_only_while_its_master_is_unchanged(ranks):
+    for r, (seen, slot_dtype, wire) in enumerate(ranks.run(_slot_reads)):
+        assert slot_dtype == torch.bfloat16 and wire == ["bfloat16"], (slot_dtype, wire)
+        expected = {"written": 7.0, "read once": 1.0, "master changed": 2.0, "forgotten": 3.0}
+        for case, value in expected.items():
+            assert set(seen[case]) == {value}, (r, case, seen[case][:4])
+
+
 @pytest.mark.parametrize("param_dtype", [None, "bfloat16"], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("downcast", [True, False], ids=["downcast", "cast_after"])
 @pytest.mark.parametrize("sharded", [False, True], ids=["whole", "sharded_params"])

@@ -230,30 +230,36 @@ def test_the_uncast_path_steps_each_shard_once_as_the_cast_path_does(two_ranks, 
         assert all(torch.equal(a, b) for a, b in zip(w0, w1))  # the stand-in is torch's own kernel
 
 
-def _hook_on_rank0_run(uncast):
+def _hook_on_rank0_run(uncast, param_dtype):
     """Three steps of stage 2 where only rank 0's inner optimizer has a step pre-hook (a
-    logging hook, say): that rank steps whole, the others in chunks."""
+    logging hook, say): that rank steps whole, the others in chunks (with `uncast`, from
+    the stand-in kernel, which writes the bf16 parameters into their gathers' slots)."""
     model = mlp()
     with _stand_in_kernel() if uncast else contextlib.nullcontext(), \
             scoped_env(HOROVOD_ZERO_STEP_CHUNK_BYTES=64, HOROVOD_ZERO_MASTER_ADAM=int(uncast)):
-        opt = hvd.DistributedZeroOptimizer(adamw(model.named_parameters()), model=model, stage=2)
+        opt = hvd.DistributedZeroOptimizer(adamw(model.named_parameters()), model=model, stage=2,
+                                           param_dtype=getattr(torch, param_dtype) if param_dtype else None,
+                                           cast_forward_inputs=param_dtype is not None)
         n, r = hvd.size(), hvd.rank()
         if r == 0:
             opt.optimizer.register_step_pre_hook(lambda *a: None)
         for step in range(3):
             x, y = batch(step, 0)
-            mse(model, rank_rows(x, r, n), rank_rows(y, r, n)).backward()
+            y = rank_rows(y, r, n)
+            mse(model, rank_rows(x, r, n), y.to(getattr(torch, param_dtype)) if param_dtype else y).backward()
             opt.step()
             opt.zero_grad()
         opt.wait_for_params()
         return [p.detach().clone() for p in model.parameters()], opt._step.chunked.chunks_last_step
 
 
-def test_a_step_pre_hook_on_one_rank_leaves_the_reductions_agreeing(two_ranks):
-    """Whether a shard is reduced as a Sum (its mean applied by the uncast step) is decided from
-    what every rank shares, so a hook that makes one rank step whole changes no op."""
-    cast = two_ranks.run(_hook_on_rank0_run, False)
-    uncast = two_ranks.run(_hook_on_rank0_run, True)
+@pytest.mark.parametrize("param_dtype", [None, "bfloat16"], ids=["fp32", "bf16"])
+def test_a_step_pre_hook_on_one_rank_leaves_the_collectives_agreeing(two_ranks, param_dtype):
+    """Whether a shard is reduced as a Sum (its mean applied by the uncast step), and what its
+    gather reads (a bf16 slot the step wrote), are decided from what every rank shares, so a
+    hook that makes one rank step whole changes no op and no dtype."""
+    cast = two_ranks.run(_hook_on_rank0_run, False, param_dtype)
+    uncast = two_ranks.run(_hook_on_rank0_run, True, param_dtype)
     for r, ((w0, _), (w1, chunks)) in enumerate(zip(cast, uncast)):
         assert (chunks == 0) == (r == 0), (r, chunks)
         for a, b in zip(w0, w1):

@@ -52,8 +52,7 @@ class ParamGatherer:
             # One enqueue per input dtype: the source may hand some shards over in param_dtype
             # already (core/step.py MasterSource), the rest as fp32 masters.
             by_input = {}
-            for i, o in all_items:
-                t = self._source.tensor(i, o)
+            for (i, o), t in zip(all_items, self._source.inputs(all_items)):
                 by_input.setdefault(t.dtype, []).append((i, o, t))
             for items in by_input.values():
                 ins = [t for _, _, t in items]

@@ -53,9 +53,10 @@ class WholeParams:
         pass
 
     def drop_values(self):
-        """Frees every parameter's storage for the step: it writes only the master shards,
-        and publish() gathers the new values into the same storage, allocated again once the
-        step's temporaries are gone. So the old values are never held beside them (FSDP2
+        """Frees every parameter's storage for the step: it writes only the master shards
+        (and, with the master Adam kernel, each chunk's own slots, allocated again as that
+        chunk is stepped), and publish() gathers the new values into the same storage,
+        allocated again once the step's temporaries are gone. So the old values are never held beside them (FSDP2
         frees its unsharded parameters after backward); the update's peak is lower by the
         parameters' size. The parameters keep their shapes and views; reading one before
         publish() fails instead of reading stale values. No gather may be in flight (step()

@@ -59,8 +59,9 @@ class GatherSource(Protocol):
     def before(self, indices: Sequence[int]) -> None:
         """Waits until the values of these shards are there to be read."""
 
-    def tensor(self, i: int, store: torch.Tensor) -> torch.Tensor:
-        """The gather input of shard i, on the parameters' device; `store` its output buffer."""
+    def inputs(self, items: Sequence[Tuple[int, torch.Tensor]]) -> List[torch.Tensor]:
+        """The gather input of each (shard index, its allocated output buffer), on the
+        parameters' device."""
 
 
 class Params(Protocol):

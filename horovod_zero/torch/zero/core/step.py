@@ -7,7 +7,7 @@ import contextlib
 
 import torch
 
-from horovod_zero.torch.zero.core import fused, norms
+from horovod_zero.torch.zero.core import fused, master_adam, norms
 from horovod_zero.torch.zero.core.gather import ParamGatherer
 from horovod_zero.torch.zero.core.step_chunks import ChunkedStep
 
@@ -158,33 +158,42 @@ class MasterSource:
     """GatherSource: the fp32 master shards, cast to param_dtype in the gather's copy-in.
 
     [Note: the step writes the gather's input]
-    At stages 1 and 2 with downcast, a shard the master Adam kernel steps gets its new
-    value written in param_dtype straight into this rank's own slot of the parameter's
-    buffer, which its allgather then gathers in place: no cast kernel before the gather
-    (it read 4 and wrote 2 bytes per element; the step writes 2 more). slots() hands
-    the step those slots, wrote() records them, and the gather of each reads its slot
-    once instead of the master. Stage 3 has no parameter buffer between steps."""
+    At stages 1 and 2 with downcast, where the master Adam kernel runs (CUDA), a parameter
+    kept in bf16 or fp16 is gathered
+    from this rank's own slot of its buffer, in place: the master Adam kernel writes the
+    new value there in param_dtype as it steps the shard (it read 4 and wrote 2 bytes an
+    element in the gather's cast; the step writes the 2), and any other shard (a whole
+    step, a load, a torch kernel) is cast into its slot here, all at once, before the
+    gather. Every rank so gathers every such parameter from a slot, whichever path
+    stepped it: the ranks agree on the gather's input dtype. A slot the step wrote is
+    used once, and only while its master is unchanged since (its version). Stage 3 has
+    no parameter buffer between steps."""
 
     in_param_dtype = False
     stream = None
 
     def __init__(self, storage, write_slots=False):
         self._st = storage
-        self._write_slots = write_slots and not storage.sharded_params and storage.param_device.type == "cuda" \
-            and storage.master_device == storage.param_device
-        self._written = {}  # shard index -> its slot, holding its master's value in param_dtype
+        # Where the master Adam kernel can write them: without it a slot would only move the cast.
+        self._write_slots = write_slots and not storage.sharded_params and \
+            master_adam.available(storage.param_device) and storage.master_device == storage.param_device
+        self._written = {}  # shard index -> (its slot, its master's version when written)
+
+    def slot_dtype(self, i):
+        """The dtype shard i is gathered from its slot in, or None (from the master)."""
+        dtype = self._st.stores[i].dtype
+        return dtype if self._write_slots and dtype in (torch.bfloat16, torch.float16) else None
 
     def slots(self, indices):
         """This rank's slot of each of these shards' parameter buffers (allocated), for the
-        step to write, or None where the gather casts the master instead."""
+        step to write; the shards must share one slot_dtype()."""
         st = self._st
-        if not self._write_slots or any(st.stores[i].dtype not in (torch.bfloat16, torch.float16) for i in indices):
-            return None
         return [st.allocate(i)[st.rank * st.shards[i].shard:(st.rank + 1) * st.shards[i].shard] for i in indices]
 
     def wrote(self, indices, slots):
         """The step wrote these shards' new values into `slots` (queued on the current stream)."""
-        self._written.update(zip(indices, slots))
+        masters = self._st.master_params
+        self._written.update((i, (slot, masters[i]._version)) for i, slot in zip(indices, slots))
 
     def forget(self):
         self._written.clear()
@@ -192,13 +201,26 @@ class MasterSource:
     def before(self, indices):
         pass
 
-    def tensor(self, i, store):
-        slot = self._written.pop(i, None)
-        if slot is not None:
-            return slot
-        master = self._st.master_params[i].detach()
-        return master if master.device == self._st.param_device else master.to(self._st.param_device)
-
+    def inputs(self, items):
+        """The gather inputs of (shard index, its allocated buffer) pairs: slots, those not
+        written by the step cast from their masters in one kernel, or the masters."""
+        st = self._st
+        out, todo = [], []
+        for i, store in items:
+            if self.slot_dtype(i) is None:
+                master = st.master_params[i].detach()
+                out.append(master if master.device == st.param_device else master.to(st.param_device))
+                continue
+            written = self._written.pop(i, None)
+            if written is not None and written[1] == st.master_params[i]._version:
+                out.append(written[0])
+                continue
+            slot = store[st.rank * st.shards[i].shard:(st.rank + 1) * st.shards[i].shard]
+            todo.append((slot, st.master_params[i].detach()))
+            out.append(slot)
+        if todo:
+            torch._foreach_copy_([s for s, _ in todo], [m for _, m in todo])  # rounds as the gather's cast
+        return out
 
 class DeviceStep:
     """StepStrategy of the master shards on the parameters' device."""
@@ -209,7 +231,7 @@ class DeviceStep:
         self._fused = fused_step  # Adam/AdamW left to its default kernel: the fused one (core/fused.py)
         # The step in chunks, in the order of the reductions; at stages 1-2 each chunk's
         # gather under the next one's step.
-        source = MasterSource(storage, write_slots=downcast)
+        self._source = source = MasterSource(storage, write_slots=downcast and master_adam)
         self.chunked = ChunkedStep(storage, optimizer, step_chunk_bytes, master_adam, source)
         self.sink = MasterGrads(storage, folds=self.chunked.steps_uncast)
         self.gatherer = ParamGatherer(storage, source, downcast)
@@ -272,12 +294,14 @@ class DeviceStep:
         finally:  # also after a step that raised: the parameters take the masters' values again
             params.publish(wait=not overlap,
                            indices=[i for i in range(len(self._st.shards)) if i not in published])
+            self._source.forget()  # a slot a failed gather left unread is not read later
 
     def skip(self):
         pass
 
     def refresh(self):
         fused.place_steps(self._optimizer)  # a load may have put `step` on the host
+        self._source.forget()  # the masters were rewritten
 
     def params_ready(self, indices):
         pass

@@ -110,14 +110,15 @@ class ChunkedStep:
                 if masters[i].grad is not None or i in raw:
                     by_group.setdefault(shards[i].group, []).append(i)
             for k, indices in by_group.items():
-                uncast = {}  # factor -> shard indices
+                uncast = {}  # (factor, the dtype of the gather's slot the kernel writes) -> shard indices
                 for i in indices:
                     if i in raw:
-                        uncast.setdefault(raw[i][1], []).append(i)
+                        slot_dtype = self._source.slot_dtype(i) if self._source is not None else None
+                        uncast.setdefault((raw[i][1], slot_dtype), []).append(i)
                 cast = [masters[i] for i in indices if i not in raw]  # before raw.pop() below
-                for factor, ids in uncast.items():
+                for (factor, slot_dtype), ids in uncast.items():
                     self.uncast_last_step += len(ids)
-                    slots = self._source.slots(ids) if self._source is not None else None
+                    slots = self._source.slots(ids) if slot_dtype is not None else None
                     master_adam.step(self._optimizer, groups[k], [masters[i] for i in ids],
                                      [raw.pop(i)[0] for i in ids], factor, copies=slots)
                     if slots is not None:

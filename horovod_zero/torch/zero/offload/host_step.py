@@ -38,8 +38,8 @@ class HostSource:
         if self._ready is not None:
             self._ready(indices)
 
-    def tensor(self, i, store):
-        return self._host.source(i, store)
+    def inputs(self, items):
+        return [self._host.source(i, store) for i, store in items]
 
 
 class HostStep:
