@@ -48,24 +48,18 @@ class ParamGatherer:
 
     def _enqueue(self, by_dtype):
         st = self._storage
-        for dtype, all_items in by_dtype.items():
-            # One enqueue per input dtype: the source may hand some shards over in param_dtype
-            # already (core/step.py MasterSource), the rest as fp32 masters.
-            by_input = {}
-            for (i, o), t in zip(all_items, self._source.inputs(all_items)):
-                by_input.setdefault(t.dtype, []).append((i, o, t))
-            for items in by_input.values():
-                ins = [t for _, _, t in items]
-                if self._cast_in:
-                    outs, out_dtype = [o for _, o, _ in items], dtype
-                else:
-                    outs = [torch.empty(o.numel(), dtype=torch.float32, device=o.device) for _, o, _ in items]
-                    self._after.update({i: (o, full) for (i, o, _), full in zip(items, outs)})
-                    out_dtype = None
-                names = [f"{st.groups.tag}.param.{i}" for i, _, _ in items]
-                handles = ops._enqueue(_core.OP_ALLGATHER, ins, outs, names, output_dtype=out_dtype,
-                                       process_set=st.groups.shard_set)
-                self.in_flight.update({i: h for (i, _, _), h in zip(items, handles)})
+        for dtype, items in by_dtype.items():
+            ins = self._source.inputs(items)
+            if self._cast_in:
+                outs, out_dtype = [o for _, o in items], dtype
+            else:
+                outs = [torch.empty(o.numel(), dtype=torch.float32, device=o.device) for _, o in items]
+                self._after.update({i: (o, full) for (i, o), full in zip(items, outs)})
+                out_dtype = None
+            names = [f"{st.groups.tag}.param.{i}" for i, _ in items]
+            handles = ops._enqueue(_core.OP_ALLGATHER, ins, outs, names, output_dtype=out_dtype,
+                                   process_set=st.groups.shard_set)
+            self.in_flight.update({i: h for (i, _), h in zip(items, handles)})
 
     def wait(self, indices=None, stream_ordered=False):
         """Waits for the gathers of `indices` (all when None) that are in flight.

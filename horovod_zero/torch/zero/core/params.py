@@ -54,10 +54,10 @@ class WholeParams:
 
     def drop_values(self):
         """Frees every parameter's storage for the step: it writes only the master shards
-        (and, with the master Adam kernel, each chunk's own slots, allocated again as that
-        chunk is stepped), and publish() gathers the new values into the same storage,
-        allocated again once the step's temporaries are gone. So the old values are never held beside them (FSDP2
-        frees its unsharded parameters after backward); the update's peak is lower by the
+        (and, with the master Adam kernel, this rank's slots, allocated again as their chunk
+        is stepped), and publish() gathers the new values into the same storage, allocated
+        again once the step's temporaries are gone. So the old values are never held beside
+        them (FSDP2 frees its unsharded parameters after backward); the update's peak is lower by the
         parameters' size. The parameters keep their shapes and views; reading one before
         publish() fails instead of reading stale values. No gather may be in flight (step()
         has waited for them)."""

@@ -158,16 +158,16 @@ class MasterSource:
     """GatherSource: the fp32 master shards, cast to param_dtype in the gather's copy-in.
 
     [Note: the step writes the gather's input]
-    At stages 1 and 2 with downcast, where the master Adam kernel runs (CUDA), a parameter
-    kept in bf16 or fp16 is gathered
-    from this rank's own slot of its buffer, in place: the master Adam kernel writes the
-    new value there in param_dtype as it steps the shard (it read 4 and wrote 2 bytes an
-    element in the gather's cast; the step writes the 2), and any other shard (a whole
-    step, a load, a torch kernel) is cast into its slot here, all at once, before the
-    gather. Every rank so gathers every such parameter from a slot, whichever path
-    stepped it: the ranks agree on the gather's input dtype. A slot the step wrote is
-    used once, and only while its master is unchanged since (its version). Stage 3 has
-    no parameter buffer between steps."""
+    At stages 1 and 2 with downcast, where the master Adam kernel runs (CUDA), a
+    parameter kept in bf16 or fp16 is gathered from this rank's own slot of its buffer,
+    in place: the kernel writes the new value there in param_dtype as it steps the shard
+    (the gather's cast read 4 and wrote 2 bytes an element; the step writes the 2), and
+    any other shard (a whole step, a load, a torch kernel) is cast into its slot here,
+    all at once, before the gather. So every rank gathers every such parameter from a
+    slot, whichever path stepped it, and the ranks agree on the gather's input dtype (a
+    function of the buffer's). A slot the step wrote is read once, and only while its
+    master is unchanged since (its version). Stage 3 has no parameter buffer between
+    steps."""
 
     in_param_dtype = False
     stream = None
@@ -184,11 +184,14 @@ class MasterSource:
         dtype = self._st.stores[i].dtype
         return dtype if self._write_slots and dtype in (torch.bfloat16, torch.float16) else None
 
+    def _slot(self, i, store):
+        shard = self._st.shards[i].shard
+        return store[self._st.rank * shard:(self._st.rank + 1) * shard]
+
     def slots(self, indices):
         """This rank's slot of each of these shards' parameter buffers (allocated), for the
         step to write; the shards must share one slot_dtype()."""
-        st = self._st
-        return [st.allocate(i)[st.rank * st.shards[i].shard:(st.rank + 1) * st.shards[i].shard] for i in indices]
+        return [self._slot(i, self._st.allocate(i)) for i in indices]
 
     def wrote(self, indices, slots):
         """The step wrote these shards' new values into `slots` (queued on the current stream)."""
@@ -215,12 +218,13 @@ class MasterSource:
             if written is not None and written[1] == st.master_params[i]._version:
                 out.append(written[0])
                 continue
-            slot = store[st.rank * st.shards[i].shard:(st.rank + 1) * st.shards[i].shard]
+            slot = self._slot(i, store)
             todo.append((slot, st.master_params[i].detach()))
             out.append(slot)
         if todo:
             torch._foreach_copy_([s for s, _ in todo], [m for _, m in todo])  # rounds as the gather's cast
         return out
+
 
 class DeviceStep:
     """StepStrategy of the master shards on the parameters' device."""
@@ -229,9 +233,9 @@ class DeviceStep:
         self._st = storage
         self._optimizer = optimizer
         self._fused = fused_step  # Adam/AdamW left to its default kernel: the fused one (core/fused.py)
+        self._source = source = MasterSource(storage, write_slots=downcast and master_adam)
         # The step in chunks, in the order of the reductions; at stages 1-2 each chunk's
         # gather under the next one's step.
-        self._source = source = MasterSource(storage, write_slots=downcast and master_adam)
         self.chunked = ChunkedStep(storage, optimizer, step_chunk_bytes, master_adam, source)
         self.sink = MasterGrads(storage, folds=self.chunked.steps_uncast)
         self.gatherer = ParamGatherer(storage, source, downcast)

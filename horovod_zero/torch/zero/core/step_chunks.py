@@ -100,8 +100,6 @@ class ChunkedStep:
         # CUDA: torch's fused Adam groups step from the reduced gradients uncast (core/master_adam.py).
         direct = [self._master_adam and master_adam.fits(g) for g in groups]
         self.chunks_last_step = self.uncast_last_step = 0
-        if self._source is not None:
-            self._source.forget()  # nothing written by a step that raised before its gathers
         stepped = []
         for chunk in self._chunks(sink.deferred):
             raw = sink.take_deferred(chunk, raw=lambda i: direct[shards[i].group])
