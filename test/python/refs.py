@@ -1,8 +1,11 @@
 """What the tests compare against, in plain torch: deterministic per-rank inputs and
 tolerances for the op tests (every rank can rebuild every other rank's input, so
 references are computed in the test itself), and the ZeRO tests' model, batches and
-single-process training, shared by test_zero.py and test/gpu/test_gpu_zero.py."""
+single-process training, shared by test_zero.py and test/gpu/test_gpu_zero.py; and a
+CPU stand-in for the CUDA master Adam kernel."""
 
+import contextlib
+import types
 import warnings
 
 import torch
@@ -168,3 +171,30 @@ def scheduled_steps(model, opt, n, r, steps=2, after_step=None):
             sched.step()
     return len(hooked), [str(w.message) for w in caught if "lr_scheduler.step()" in str(w.message)]
 
+
+@contextlib.contextmanager
+def stand_in_master_adam():
+    """CPU ranks have no CUDA kernel (csrc/cuda/master_adam.cu): torch's fused Adam on the
+    cast gradients stands in for it, behind the same one-dtype rule, writing the copies
+    the gathers read, so that the uncast path's plumbing (which shards it takes, their
+    factors, state and step counts, the gathers' slots) runs here. Yields the number of
+    shards of each call. test/gpu/test_gpu_master_adam.py checks the kernel itself."""
+    from horovod_zero.torch.zero.core import master_adam
+    calls = []
+
+    def step(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay, decoupled, maximize,
+             grad_scale, copies=()):
+        assert len({g.dtype for g in grads}) == 1, [g.dtype for g in grads]
+        calls.append(len(params))
+        fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
+        fused(params, [g.float() * grad_scale for g in grads], exp_avgs, exp_avg_sqs, [], steps, amsgrad=False,
+              maximize=maximize, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+        for p, c in zip(params, copies):
+            c.copy_(p)
+    saved = master_adam.available, master_adam._core
+    master_adam.available = lambda device: True
+    master_adam._core = types.SimpleNamespace(master_adam_step=step, HAVE_MASTER_ADAM=True)
+    try:
+        yield calls
+    finally:
+        master_adam.available, master_adam._core = saved

@@ -5,14 +5,15 @@ the cross-node allreduce of the shards, 1/local_size of the gradients, crosses
 nodes, and stage 3's gathers never do. Checkpoints move between hybrid and full
 sharding."""
 
+import contextlib
 import functools
 
 import pytest
 import torch
 
 import horovod_zero.torch as hvd
-from harness import launch
-from refs import STEPS, adamw, batch, mlp, mse, rank_rows, rel_err, train_reference
+from harness import launch, scoped_env
+from refs import STEPS, adamw, batch, mlp, mse, rank_rows, rel_err, stand_in_master_adam, train_reference
 
 NODES, LOCAL = 2, 2
 
@@ -21,10 +22,19 @@ def _node_env(rank, nodes, local):
     return {"LOCAL_RANK": str(rank % local), "LOCAL_WORLD_SIZE": str(local), "GROUP_RANK": str(rank // local)}
 
 
-def _wrap(model, stage, **kwargs):
+def _adamw(model, eps=None):
+    """refs.adamw; `eps` large enough that the update depends on the gradient's scale (with
+    eps near 0 Adam's update would not see a wrong 1/size)."""
+    opt = adamw(model.named_parameters())
+    for g in opt.param_groups if eps is not None else ():
+        g["eps"] = eps
+    return opt
+
+
+def _wrap(model, stage, eps=None, **kwargs):
     if stage == 3:
         kwargs["units"] = [torch.nn.Linear]
-    return hvd.DistributedZeroOptimizer(adamw(model.named_parameters()), model=model, stage=stage, **kwargs)
+    return hvd.DistributedZeroOptimizer(_adamw(model, eps), model=model, stage=stage, **kwargs)
 
 
 def _train(model, opt, clip, steps=STEPS, start=0):
@@ -50,12 +60,19 @@ def _weights(model, opt):
     return [p.detach().double().clone() for p in model.parameters()]
 
 
-def _hybrid(stage, clip, offload, device="cpu"):
+def _hybrid(stage, clip, offload, device="cpu", uncast=False):
+    """`uncast`: the master Adam path (its CPU stand-in), which reduces inside the node as a
+    Sum and applies 1/local_size itself, the cross-node allreduce averaging the rest."""
     hvd.init()
     model = mlp(device=hvd.device() if device == "cuda" else "cpu")
-    opt = _wrap(model, stage, shard_group="node", offload_optimizer="cpu" if offload else None)
-    stats = _train(model, opt, clip)
-    ref, _ = train_reference(1, clip)
+    eps = 1e-2 if uncast else None
+    with stand_in_master_adam() if uncast else contextlib.nullcontext() as calls, \
+            scoped_env(HOROVOD_ZERO_STEP_CHUNK_BYTES=64) if uncast else contextlib.nullcontext():
+        opt = _wrap(model, stage, eps, shard_group="node", offload_optimizer="cpu" if offload else None)
+        stats = _train(model, opt, clip)
+    assert not uncast or calls, "the stand-in kernel stepped nothing"
+    ref_model = mlp()
+    ref, _ = train_reference(1, clip, model=ref_model, opt=_adamw(ref_model, eps))
     errs = [rel_err(p, q) for p, q in zip(_weights(model, opt), ref.parameters())]
     view, groups = opt.sharded_state, opt._storage.groups
     out = {"errs": errs, "stats": stats, "shard_elems": sum(s.shard for s in view.shards),
@@ -67,13 +84,14 @@ def _hybrid(stage, clip, offload, device="cpu"):
     return out
 
 
-@pytest.mark.parametrize("stage,clip,offload,local", [(1, None, False, LOCAL), (2, 0.05, False, LOCAL),
-                                                      (3, None, False, LOCAL), (2, None, True, LOCAL), (3, None, False, 1)],
-                         ids=["stage1", "stage2-clip", "stage3", "stage2-offload", "stage3-one-rank-nodes"])
-def test_hybrid_sharding_matches_reference_and_only_shards_cross_nodes(stage, clip, offload, local):
+@pytest.mark.parametrize("stage,clip,offload,local,uncast", [
+    (1, None, False, LOCAL, False), (2, 0.05, False, LOCAL, False), (3, None, False, LOCAL, False),
+    (2, None, True, LOCAL, False), (3, None, False, 1, False), (2, None, False, LOCAL, True)],
+    ids=["stage1", "stage2-clip", "stage3", "stage2-offload", "stage3-one-rank-nodes", "stage2-uncast-step"])
+def test_hybrid_sharding_matches_reference_and_only_shards_cross_nodes(stage, clip, offload, local, uncast):
     # one rank per node is the shape of the 2-GPU test: the node sets have one rank each
-    res = launch(_hybrid, NODES * local, stage, clip, offload, env=functools.partial(_node_env, nodes=NODES,
-                                                                                    local=local), timeout=180)
+    res = launch(_hybrid, NODES * local, stage, clip, offload, "cpu", uncast,
+                 env=functools.partial(_node_env, nodes=NODES, local=local), timeout=180)
     check_hybrid(res, NODES * local, local)
 
 

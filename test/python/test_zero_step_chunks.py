@@ -6,14 +6,14 @@ reference's weights, and LR schedulers and step hooks that see every step. CPU r
 HOROVOD_ZERO_STEP_CHUNK_BYTES=64 makes a chunk of each parameter or two."""
 
 import contextlib
-import types
 
 import pytest
 import torch
 
 import horovod_zero.torch as hvd
 from harness import scoped_env, shared_pool
-from refs import STEPS, adamw, batch, mlp, mse, rank_rows, rel_err, scheduled_steps, train_reference
+from refs import STEPS, adamw, batch, mlp, mse, rank_rows, rel_err, scheduled_steps, stand_in_master_adam, \
+    train_reference
 
 
 @pytest.fixture
@@ -150,33 +150,6 @@ def test_the_step_takes_the_gradients_in_the_order_they_were_reduced(two_ranks, 
             assert len(published) >= 3 and sum(published, []) == taken, (published, taken)
 
 
-@contextlib.contextmanager
-def _stand_in_kernel():
-    """CPU ranks have no CUDA kernel (csrc/cuda/master_adam.cu): torch's fused Adam on the
-    cast gradients stands in for it, behind the same one-dtype rule, so that the uncast
-    path's plumbing (which shards it takes, their state and step counts) runs here.
-    test/gpu/test_gpu_master_adam.py checks the kernel itself against torch's."""
-    from horovod_zero.torch.zero.core import master_adam
-    calls = []
-
-    def step(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay, decoupled, maximize,
-             grad_scale, copies=()):
-        assert len({g.dtype for g in grads}) == 1, [g.dtype for g in grads]
-        calls.append(len(params))
-        fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
-        fused(params, [g.float() * grad_scale for g in grads], exp_avgs, exp_avg_sqs, [], steps, amsgrad=False,
-              maximize=maximize, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
-        for p, c in zip(params, copies):
-            c.copy_(p)
-    saved = master_adam.available, master_adam._core
-    master_adam.available = lambda device: True
-    master_adam._core = types.SimpleNamespace(master_adam_step=step, HAVE_MASTER_ADAM=True)
-    try:
-        yield calls
-    finally:
-        master_adam.available, master_adam._core = saved
-
-
 class _Mixed(torch.nn.Module):
     """A bf16 layer and an fp32 one in one param group: gradients of two dtypes in a chunk."""
 
@@ -194,7 +167,7 @@ def _uncast_run(stage, uncast, whole_first, mixed):
     """Three steps; `whole_first`: the first runs whole (a step pre-hook), and the second
     follows without zero_grad(), as loops that zero after step() do."""
     model = _Mixed() if mixed else mlp()
-    with _stand_in_kernel() if uncast else contextlib.nullcontext() as calls, \
+    with stand_in_master_adam() if uncast else contextlib.nullcontext() as calls, \
             scoped_env(HOROVOD_ZERO_STEP_CHUNK_BYTES=64 if not mixed else 1200, HOROVOD_ZERO_MASTER_ADAM=int(uncast)):
         inner = torch.optim.AdamW(model.parameters(), lr=1e-2) if mixed else adamw(model.named_parameters())
         opt = hvd.DistributedZeroOptimizer(inner, model=model, stage=stage)
@@ -235,7 +208,7 @@ def _hook_on_rank0_run(uncast, param_dtype):
     logging hook, say): that rank steps whole, the others in chunks (with `uncast`, from
     the stand-in kernel, which writes the bf16 parameters into their gathers' slots)."""
     model = mlp()
-    with _stand_in_kernel() if uncast else contextlib.nullcontext(), \
+    with stand_in_master_adam() if uncast else contextlib.nullcontext(), \
             scoped_env(HOROVOD_ZERO_STEP_CHUNK_BYTES=64, HOROVOD_ZERO_MASTER_ADAM=int(uncast)):
         opt = hvd.DistributedZeroOptimizer(adamw(model.named_parameters()), model=model, stage=2,
                                            param_dtype=getattr(torch, param_dtype) if param_dtype else None,
