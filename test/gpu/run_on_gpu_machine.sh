@@ -30,7 +30,8 @@ echo "build: $(( $(date +%s) - t0 )) s"
 fi
 rc=0
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  (cd test && timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -q -ra ${GPU_TESTS:-gpu} ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15) || rc=1
+  # SIGABRT at the limit: pytest's faulthandler then prints where every thread was.
+  (cd test && timeout -s ABRT -k 20 "${TEST_TIMEOUT:-400}" python3 -m pytest -q -ra ${GPU_TESTS:-gpu} ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15) || rc=1
 fi
 if [ "${BENCH:-1}" = 1 ]; then
   port=$(free_port)

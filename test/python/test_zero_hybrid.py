@@ -68,7 +68,10 @@ def _hybrid(stage, clip, offload, device="cpu", uncast=False):
     eps = 1e-2 if uncast else None
     with stand_in_master_adam() if uncast else contextlib.nullcontext() as calls, \
             scoped_env(HOROVOD_ZERO_STEP_CHUNK_BYTES=64) if uncast else contextlib.nullcontext():
-        opt = _wrap(model, stage, eps, shard_group="node", offload_optimizer="cpu" if offload else None)
+        # offload: True (host step), "overlap" (host step inside backward), "overlap-device"
+        # (overlap_step without offload): the last two step each shard once its replicas are averaged.
+        opt = _wrap(model, stage, eps, shard_group="node", offload_optimizer="cpu" if offload in (True, "overlap") else None,
+                    overlap_step=offload in ("overlap", "overlap-device"))
         stats = _train(model, opt, clip)
     assert not uncast or calls, "the stand-in kernel stepped nothing"
     ref_model = mlp()
@@ -86,8 +89,10 @@ def _hybrid(stage, clip, offload, device="cpu", uncast=False):
 
 @pytest.mark.parametrize("stage,clip,offload,local,uncast", [
     (1, None, False, LOCAL, False), (2, 0.05, False, LOCAL, False), (3, None, False, LOCAL, False),
-    (2, None, True, LOCAL, False), (3, None, False, 1, False), (2, None, False, LOCAL, True)],
-    ids=["stage1", "stage2-clip", "stage3", "stage2-offload", "stage3-one-rank-nodes", "stage2-uncast-step"])
+    (2, None, True, LOCAL, False), (3, None, False, 1, False), (2, None, False, LOCAL, True),
+    (2, None, "overlap", LOCAL, False), (2, None, "overlap-device", LOCAL, False)],
+    ids=["stage1", "stage2-clip", "stage3", "stage2-offload", "stage3-one-rank-nodes", "stage2-uncast-step",
+         "stage2-offload-overlap-step", "stage2-overlap-step"])
 def test_hybrid_sharding_matches_reference_and_only_shards_cross_nodes(stage, clip, offload, local, uncast):
     # one rank per node is the shape of the 2-GPU test: the node sets have one rank each
     res = launch(_hybrid, NODES * local, stage, clip, offload, "cpu", uncast,
