@@ -57,6 +57,7 @@ class ShardGroups:
     # the others would wait for it. The set is in the tag because optimizers over
     # different sets count apart, yet may gather in the same node set.
     tag: str = "zero"
+    tag_number: int = 0  # its place in that count ("zero": 0, "zero1": 1, ...)
 
     @property
     def final_after_reduce_scatter(self) -> bool:
@@ -123,19 +124,20 @@ def node_sharding() -> ShardGroups:
 _TAGS = "DistributedZeroOptimizer"  # what objects.agreed_number counts the tags as
 
 
-def shard_groups(shard_group, process_set, tag=None) -> ShardGroups:
+def shard_groups(shard_group, process_set, keep=None) -> ShardGroups:
     """The ranks the optimizer shards over, from its (already checked) shard_group= and
     process_set= arguments, and its collectives' tag: the next one of the job over the
-    optimizer's ranks, or `tag` (elastic: the optimizer keeps its names in the new job,
-    where the numbers it holds are then skipped). Collective when shard_group='node'."""
+    optimizer's ranks, or the tag of `keep`, an earlier ShardGroups (elastic: the optimizer
+    keeps its names in the new job, where the number it holds is then skipped).
+    Collective when shard_group='node'."""
     if shard_group == "node":
         groups = node_sharding()
     else:
         groups = set_sharding(process_set) if process_set is not None else full_sharding()
     scope_set = groups.scope.process_set  # None: the global set
-    if tag is None:
-        n = agreed_number(_TAGS, scope_set)
-        tag = f"zero{n or ''}" + (f"@{scope_set.process_set_id}" if scope_set is not None else "")
-    else:
-        reserve_number(_TAGS, scope_set, int(tag.split("@")[0][len("zero"):] or 0))
-    return replace(groups, tag=tag)
+    if keep is not None:
+        reserve_number(_TAGS, scope_set, keep.tag_number)
+        return replace(groups, tag=keep.tag, tag_number=keep.tag_number)
+    n = agreed_number(_TAGS, scope_set)
+    tag = f"zero{n or ''}" + (f"@{scope_set.process_set_id}" if scope_set is not None else "")
+    return replace(groups, tag=tag, tag_number=n)

@@ -105,12 +105,12 @@ class DistributedZeroOptimizer:
                     reshard_after_forward, offload_optimizer, nvme_path, offload_params, overlap_step, shard_group,
                     process_set, reshard_root_after_forward, device, init_fn)
 
-    def _build(self, optimizer, model, tag, named_parameters, stage, param_dtype, reduce_dtype,
+    def _build(self, optimizer, model, keep, named_parameters, stage, param_dtype, reduce_dtype,
                backward_passes_per_step, loss_scaler, overlap_param_gather, cast_forward_inputs, units,
                reshard_after_forward, offload_optimizer, nvme_path, offload_params, overlap_step, shard_group,
                process_set, reshard_root_after_forward, device, init_fn):
-        """The constructor's work, and _rejoin()'s; `tag`: the collectives' tag to keep
-        (hybrid.shard_groups), None for the job's next one."""
+        """The constructor's work, and _rejoin()'s; `keep`: the ShardGroups whose collectives'
+        tag to keep (hybrid.shard_groups), None for the job's next one."""
         if loss_scaler is None and param_dtype == torch.float16:
             loss_scaler = LossScaler()
         named_parameters = list(named_parameters) if named_parameters is not None else None
@@ -142,7 +142,7 @@ class DistributedZeroOptimizer:
         self.stage = options.stage
         self.loss_scaler = loss_scaler
         self.step_count = 0
-        groups = hybrid.shard_groups(options.shard_group, options.process_set, tag)
+        groups = hybrid.shard_groups(options.shard_group, options.process_set, keep)
         self._names = check_names(optimizer, model, named_parameters)
         self._model = weakref.ref(model) if model is not None else None
         params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -237,7 +237,7 @@ class DistributedZeroOptimizer:
             args.update(device=st.param_device, init_fn=meta_init.to_meta(model, st.params, st.shards))
         # The same tag as before: a worker that joins names this optimizer by the order its
         # script builds optimizers, which this process followed too.
-        self._build(self.optimizer, model, self._storage.groups.tag, **args)
+        self._build(self.optimizer, model, self._storage.groups, **args)
 
     def add_param_group(self, param_group):
         """Adds a param group, as torch.optim.Optimizer.add_param_group does, and shards
