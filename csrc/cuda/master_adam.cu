@@ -124,16 +124,6 @@ cudaError_t Launch(const MasterAdamDesc* descs, int n, const MasterAdamHyper& h,
   return cudaSuccess;
 }
 
-}  // namespace
-
-bool MasterAdamSupported(DataType grad) {
-  return grad == DataType::kFloat16 || grad == DataType::kBFloat16 || grad == DataType::kFloat32;
-}
-
-bool MasterAdamCopySupported(DataType copy) { return copy == DataType::kFloat16 || copy == DataType::kBFloat16; }
-
-namespace {
-
 template <typename C>
 cudaError_t LaunchFor(const MasterAdamDesc* descs, int n, DataType grad, const MasterAdamHyper& h,
                       cudaStream_t stream) {

@@ -32,11 +32,8 @@ struct MasterAdamHyper {
   float grad_scale;  // each gradient is multiplied by it first (unscaling, clipping)
 };
 
-// Supported gradient dtypes: float16, bfloat16, float32; copy dtypes: float16, bfloat16.
-bool MasterAdamSupported(DataType grad);
-bool MasterAdamCopySupported(DataType copy);
-
-// `copy`: the dtype of every desc's non-null copy.
+// Gradient dtypes: float16, bfloat16, float32; `copy`, the dtype of every desc's non-null
+// copy: float16, bfloat16. Any other returns cudaErrorInvalidValue.
 cudaError_t LaunchMasterAdam(const MasterAdamDesc* descs, int n, DataType grad, const MasterAdamHyper& h,
                              cudaStream_t stream, DataType copy = DataType::kBFloat16);
 
