@@ -11,6 +11,7 @@ the wait lasts only as long as that exit takes. Elastic jobs never wait here: th
 a peer's failure (hvd.elastic.run) instead of exiting, and that must stay fast.
 """
 
+import re
 import sys
 import time
 
@@ -20,10 +21,11 @@ from horovod_zero.native import core as _core
 # rank's own exit (interpreter teardown, CUDA and NCCL teardown on GPUs), short enough that a
 # launcher that does not stop the other ranks ends the job soon after.
 GRACE_SECONDS = 5.0
-# The start of the core's messages when this rank's runtime stopped because of other ranks: one
-# shut down while this rank waited on it, or the transport failed (csrc/runtime/runtime.cc, Loop
-# and PeersLeft).
-_PEER_STOPPED = "horovod_zero stopped"
+# The core's messages when this rank's runtime stopped because of other ranks: one shut down
+# while this rank waited on it, or the transport failed (csrc/runtime/runtime.cc, Loop and
+# PeersLeft); an op submitted after that is refused with the same reason, after its name
+# (Runtime::Enqueue).
+_PEER_STOPPED = re.compile(r"(Cannot submit '.*?': )?horovod_zero stopped")
 
 
 def caused_by_peer(exc) -> bool:
@@ -32,7 +34,7 @@ def caused_by_peer(exc) -> bool:
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, _core.HorovodInternalError) and str(exc).startswith(_PEER_STOPPED):
+        if isinstance(exc, _core.HorovodInternalError) and _PEER_STOPPED.match(str(exc)):
             return True
         exc = exc.__cause__ or exc.__context__
     return False

@@ -44,6 +44,9 @@ def test_only_a_failure_caused_by_a_peer_waits_and_never_in_elastic_jobs():
             raise RuntimeError("training failed") from e
     except RuntimeError as wrapped:
         assert exit_grace_seconds(wrapped, elastic=False) == GRACE_SECONDS
+    # A collective submitted after the peer's shutdown reached this rank is refused for the same reason.
+    refused = HorovodInternalError("Cannot submit 'never': horovod_zero stopped: rank 1 shut down ...")
+    assert exit_grace_seconds(refused, elastic=False) == GRACE_SECONDS
     assert exit_grace_seconds(HorovodInternalError("Mismatched shapes for tensor 'x'"), elastic=False) == 0
     assert exit_grace_seconds(ValueError("bad input"), elastic=False) == 0
     assert exit_grace_seconds(None, elastic=False) == 0
