@@ -8,7 +8,9 @@ nodes, as FSDP2's HSDP and ZeRO++'s hpZ do.
   (master, optimizer state: 1/local_size each).
 - Gradients: reduce-scatter (Average) in the node set, then an allreduce (Average)
   of each shard in the cross set; with equal nodes that is the average over every
-  rank, and only the shards (1/local_size of the gradients) cross nodes.
+  rank, and only the shards (1/local_size of the gradients) cross nodes. A shard's
+  step waits only for its own allreduce, so the shards averaged first are stepped
+  while the rest still cross (core/reduce.py GradReducer._take_rest).
 - Gathers, stage 3's included, run in the node set: they never leave the node.
 - Norms reduce over the node set (each node holds every shard once); checks that
   must agree everywhere (which parameters had a gradient, overflow) stay global.

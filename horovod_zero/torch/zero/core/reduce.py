@@ -310,9 +310,10 @@ class GradReducer:
         final = self._groups.final_after_reduce_scatter
         if not final:
             self.order_after([h for hs in handles.values() for h in hs])
-            handles = {}
             items = [(s, sum(outputs[s.index][1:], outputs[s.index][0])) for s, _ in trained if had[s.index]]
-            self.order_after(list(self._groups.average_replicas(items)))
+            # Each shard waits only for its own average, when the sink reads it: the step of the
+            # shards averaged first runs under the rest of the allreduces.
+            handles = {s.index: [h] for (s, _), h in zip(items, self._groups.average_replicas(items))}
             outputs.update((s.index, [t]) for s, t in items)
             del items  # the outputs hold them now, freed one by one below
         self._unordered = handles
