@@ -104,6 +104,13 @@ def main():
         print(f"== {mode}, rank {hvd.rank()}: median {sorted(times)[7] * 1e3:.1f} ms, back to back "
               f"{back_to_back * 1e3:.1f} ms, peak {torch.cuda.max_memory_allocated(dev) / 2**30:.2f} GiB; "
               f"host per phase (median, ms): {phases}; {allocator_calls(before, after, 20)}", flush=True)
+        # For a sampling profiler outside (py-spy record --native --threads): steady steps only.
+        spin = int(os.environ.get("HVDZ_SPIN_STEPS", "0"))
+        if spin:
+            print(f"== {mode}, rank {hvd.rank()}: spinning {spin} steps, pid {os.getpid()}", flush=True)
+        for _ in range(spin):
+            step()
+        torch.cuda.synchronize()
         if timer is not None and opt is not None:
             timer.reset()
             for _ in range(10):

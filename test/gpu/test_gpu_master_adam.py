@@ -37,9 +37,8 @@ def test_master_adam_matches_torchs_fused_adam_on_the_cast_gradients(grad_dtype,
     for k in range(5):
         _, grads = _tensors(sizes, offset, 100 + k)
         grads = [g.to(grad_dtype) for g in grads]
-        torch._foreach_add_(steps, 1)
         _core.master_adam_step(params, grads, m, v, steps, **hyper, decoupled=decoupled, maximize=maximize,
-                               grad_scale=grad_scale)
+                               grad_scale=grad_scale, add_step=True)
         torch._foreach_add_(steps_ref, 1)
         fused(ref, [g.float() * grad_scale for g in grads], m_ref, v_ref, [], steps_ref, amsgrad=False,
               maximize=maximize, **hyper)
@@ -85,6 +84,23 @@ def test_master_adam_names_what_is_wrong():
         _core.master_adam_step([p], [torch.zeros(16, device="cuda")[::2]], [p.clone()], [p.clone()], [step], **ok)
     with pytest.raises(ValueError, match="CUDA"):
         _core.master_adam_step([p.cpu()], [p.cpu()], [p.cpu()], [p.cpu()], [step.cpu()], **ok)
+    # A refusal found at the last tensor leaves every step count as it was.
+    q = torch.zeros(8, device="cuda")
+    with pytest.raises(ValueError, match=r"contiguous.*\(tensor 1\)"):
+        _core.master_adam_step([q, p], [q.clone(), torch.zeros(16, device="cuda")[::2]], [q.clone(), p.clone()],
+                               [q.clone(), p.clone()], [step, step.clone()], **ok, add_step=True)
+    assert step.item() == 1.0
+
+
+def test_master_adam_refusal_says_how_to_step_without_it():
+    from horovod_zero.torch.zero.core import master_adam
+    p = torch.nn.Parameter(torch.zeros(8, device="cuda"))
+    opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
+    master_adam.step(opt, opt.param_groups[0], [p], [torch.ones(8, device="cuda", dtype=torch.bfloat16)])
+    assert opt.state[p]["step"].item() == 1.0 and p.abs().sum() > 0
+    with pytest.raises(ValueError, match="HOROVOD_ZERO_MASTER_ADAM=0"):
+        master_adam.step(opt, opt.param_groups[0], [p], [torch.ones(4, device="cuda", dtype=torch.bfloat16)])
+    assert opt.state[p]["step"].item() == 1.0
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU")

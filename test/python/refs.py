@@ -183,9 +183,11 @@ def stand_in_master_adam():
     calls = []
 
     def step(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay, decoupled, maximize,
-             grad_scale, copies=()):
+             grad_scale, copies=(), add_step=False):
         assert len({g.dtype for g in grads}) == 1, [g.dtype for g in grads]
         calls.append(len(params))
+        if add_step:
+            torch._foreach_add_(steps, 1)
         fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
         fused(params, [g.float() * grad_scale for g in grads], exp_avgs, exp_avg_sqs, [], steps, amsgrad=False,
               maximize=maximize, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)

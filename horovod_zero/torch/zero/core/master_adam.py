@@ -26,18 +26,9 @@ def step(optimizer, group, params, grads, grad_scale=1.0, copies=None):
     """Steps `params` (masters of `group`, .grad None) with `grads` (their reduced
     gradients) times `grad_scale`, on the optimizer's own state: one launch per gradient
     dtype. `copies` (one bf16/fp16 tensor per param, or None): where each new value is
-    also written, rounded as the gather's cast rounds. Checked before any state changes,
-    so a refusal leaves the step counts as they were."""
-    for p, g in zip(params, grads):
-        if g.device != p.device or g.numel() != p.numel() or not g.is_contiguous() \
-                or g.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise ValueError(f"master_adam: a gradient ({g.dtype}, {tuple(g.shape)} on {g.device}) does not fit its "
-                             f"master shard ({p.numel()} elements on {p.device}); set HOROVOD_ZERO_MASTER_ADAM=0.")
-    for p, c in zip(params, copies or []):
-        if c.device != p.device or c.numel() != p.numel() or not c.is_contiguous() \
-                or c.dtype not in (torch.bfloat16, torch.float16) or c.dtype != copies[0].dtype:
-            raise ValueError(f"master_adam: a copy ({c.dtype}, {tuple(c.shape)} on {c.device}) does not fit its "
-                             f"master shard ({p.numel()} elements on {p.device}).")
+    also written, rounded as the gather's cast rounds. The kernel's binding checks every
+    tensor before it adds 1 to the step counts, so a refusal leaves them as they were;
+    the checks are there, not here, because this runs for every shard at each step."""
     state = optimizer.state
     fresh = [p for p in params if not state.get(p)]
     if fresh:  # the state made by the optimizer's own _init_group, as its step would make it
@@ -48,18 +39,22 @@ def step(optimizer, group, params, grads, grad_scale=1.0, copies=None):
         finally:
             for p in fresh:
                 p.grad = None
-    by_dtype = {}
-    for p, g, c in zip(params, grads, copies if copies is not None else [None] * len(params)):
-        by_dtype.setdefault(g.dtype, []).append((p, g, c))
+    dtypes = {g.dtype for g in grads}
+    if len(dtypes) == 1:
+        batches = [(params, grads, copies)]
+    else:  # one launch per gradient dtype
+        batches = [([p for p, g in zip(params, grads) if g.dtype == d], [g for g in grads if g.dtype == d],
+                    None if copies is None else [c for c, g in zip(copies, grads) if g.dtype == d]) for d in dtypes]
     beta1, beta2 = group["betas"]
-    for pairs in by_dtype.values():
-        ps = [p for p, _, _ in pairs]
-        steps = [state[p]["step"] for p in ps]
-        torch._foreach_add_(steps, 1)  # as torch's fused Adam does before its kernel
-        _core.master_adam_step([p.detach() for p in ps], [g for _, g, _ in pairs], [state[p]["exp_avg"] for p in ps],
-                               [state[p]["exp_avg_sq"] for p in ps], steps, lr=float(group["lr"]),
-                               beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                               weight_decay=float(group["weight_decay"]),
-                               decoupled=bool(group["decoupled_weight_decay"]), maximize=bool(group["maximize"]),
-                               grad_scale=float(grad_scale),
-                               copies=[c for _, _, c in pairs] if copies is not None else [])
+    hyper = dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                 weight_decay=float(group["weight_decay"]), decoupled=bool(group["decoupled_weight_decay"]),
+                 maximize=bool(group["maximize"]), grad_scale=float(grad_scale))
+    for ps, gs, cs in batches:
+        states = [state[p] for p in ps]
+        try:
+            _core.master_adam_step(ps, gs, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                                   [s["step"] for s in states], **hyper, copies=cs if cs is not None else [],
+                                   add_step=True)
+        except ValueError as e:
+            raise ValueError(f"{e} A master shard, its gradient and its state must match; "
+                             "HOROVOD_ZERO_MASTER_ADAM=0 steps with torch's kernel instead.") from None

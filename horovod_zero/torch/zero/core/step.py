@@ -178,6 +178,9 @@ class MasterSource:
         self._write_slots = write_slots and not storage.sharded_params and \
             master_adam.available(storage.param_device) and storage.master_device == storage.param_device
         self._written = {}  # shard index -> (its slot, its master's version when written)
+        # shard index -> (its buffer, this rank's slot of it): a view stays valid while drop()
+        # and allocate() free and allocate the buffer's storage again, so it is made once.
+        self._slot_views = {}
 
     def slot_dtype(self, i):
         """The dtype shard i is gathered from its slot in, or None (from the master)."""
@@ -185,8 +188,13 @@ class MasterSource:
         return dtype if self._write_slots and dtype in (torch.bfloat16, torch.float16) else None
 
     def _slot(self, i, store):
+        cached = self._slot_views.get(i)
+        if cached is not None and cached[0] is store:
+            return cached[1]
         shard = self._st.shards[i].shard
-        return store[self._st.rank * shard:(self._st.rank + 1) * shard]
+        slot = store[self._st.rank * shard:(self._st.rank + 1) * shard]
+        self._slot_views[i] = (store, slot)
+        return slot
 
     def slots(self, indices):
         """This rank's slot of each of these shards' parameter buffers (allocated), for the

@@ -162,11 +162,15 @@ class ShardedStorage:
         """Whether parameter i still uses the storage its gathers land in (model.float(),
         .to() or `p.data =` after wrapping replace it)."""
         p, store = self.params[i], self.stores[i]
-        if p.dtype != store.dtype or p.device != store.device:
+        if p.dtype != store.dtype:
             return False
         if self.sharded_params and not self.is_unsharded(i):
-            return p.numel() == 0
-        return self.shards[i].numel == 0 or p.data_ptr() == store.data_ptr()
+            return p.numel() == 0 and p.device == store.device
+        if self.shards[i].numel == 0:
+            return p.device == store.device
+        # One address space for the host and every GPU: the same address is the same device.
+        # (This runs for every parameter at each step; a device comparison costs more.)
+        return p.data_ptr() == store.data_ptr()
 
 
 def _broadcast_initial_values(shards, params, groups):
