@@ -1,0 +1,62 @@
+"""Shares of a sampling profile: reads py-spy's raw output (`py-spy record --format raw --threads
+--native --idle ...`, one collapsed stack and its sample count per line) and prints, per thread,
+the samples and the frames most often on the stack; with --under FRAME, the tree of frames below
+the first frame that starts with FRAME (on the threads that reach it), to --depth levels. Frames of
+unnamed native code (bare addresses) are left out of the tree. Used for "One and two ranks on one
+machine" in docs/benchmarks.md:
+
+    python examples/spy_shares.py spy.txt --top 20
+    python examples/spy_shares.py spy.txt --under "DistributedZeroOptimizer.step" --depth 4
+"""
+import argparse
+import collections
+
+
+def read(path):
+    """(process, thread, frames, samples) per line of py-spy's raw format. With --subprocesses a
+    stack starts with its process's ancestors; the process is the last of them."""
+    for line in open(path):
+        stack, _, count = line.rstrip("\n").rpartition(" ")
+        frames = stack.split(";")
+        at = next((i for i, f in enumerate(frames) if f.startswith("thread (")), None)
+        if at and count.isdigit():
+            yield frames[at - 1], frames[at], frames[at + 1:], int(count)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("raw")
+    ap.add_argument("--under", default="", help="print the tree below the first frame starting with this")
+    ap.add_argument("--depth", type=int, default=3)
+    ap.add_argument("--min", type=int, default=5, help="leave out tree nodes with fewer samples")
+    ap.add_argument("--top", type=int, default=15, help="frames listed per thread")
+    args = ap.parse_args()
+    per_thread = collections.defaultdict(collections.Counter)  # (process, thread) -> frame -> samples
+    totals = collections.Counter()
+    tree = collections.Counter()
+    for process, thread, frames, n in read(args.raw):
+        key = (process[:60], thread)
+        totals[key] += n
+        for f in set(frames):
+            per_thread[key][f] += n
+        if args.under:
+            at = next((i for i, f in enumerate(frames) if f.startswith(args.under)), None)
+            if at is not None:
+                tree[()] += n
+                below = [f for f in frames[at + 1:] if not f.startswith("0x")]
+                for d in range(1, min(args.depth, len(below)) + 1):
+                    tree[tuple(below[:d])] += n
+    if args.under:
+        print(f"{tree[()]} samples under {args.under}")
+        for path, n in sorted(tree.items()):
+            if path and n >= args.min:
+                print(f"{n:7d} {100 * n / tree[()]:5.1f}% " + "  " * (len(path) - 1) + path[-1][:120])
+        return
+    for key, total in totals.most_common():
+        print(f"== {key[0]} / {key[1]}: {total} samples")
+        for f, n in per_thread[key].most_common(args.top):
+            print(f"{n:7d} {100 * n / total:5.1f}% {f[:120]}")
+
+
+if __name__ == "__main__":
+    main()
