@@ -23,6 +23,31 @@ def read(path):
             yield frames[at - 1], frames[at], frames[at + 1:], int(count)
 
 
+def per_thread(rows):
+    """(process, thread) -> (samples, Counter of frame -> samples it was on the stack)."""
+    totals, frames_seen = collections.Counter(), collections.defaultdict(collections.Counter)
+    for process, thread, frames, n in rows:
+        totals[(process, thread)] += n
+        for f in set(frames):
+            frames_seen[(process, thread)][f] += n
+    return {k: (totals[k], frames_seen[k]) for k in totals}
+
+
+def tree_under(rows, under, depth):
+    """Counter of frame paths below the first frame that starts with `under` (the empty path:
+    all samples that reach it), to `depth` frames; bare addresses left out."""
+    tree = collections.Counter()
+    for _, _, frames, n in rows:
+        at = next((i for i, f in enumerate(frames) if f.startswith(under)), None)
+        if at is None:
+            continue
+        tree[()] += n
+        below = [f for f in frames[at + 1:] if not f.startswith("0x")]
+        for d in range(1, min(depth, len(below)) + 1):
+            tree[tuple(below[:d])] += n
+    return tree
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("raw")
@@ -31,30 +56,17 @@ def main():
     ap.add_argument("--min", type=int, default=5, help="leave out tree nodes with fewer samples")
     ap.add_argument("--top", type=int, default=15, help="frames listed per thread")
     args = ap.parse_args()
-    per_thread = collections.defaultdict(collections.Counter)  # (process, thread) -> frame -> samples
-    totals = collections.Counter()
-    tree = collections.Counter()
-    for process, thread, frames, n in read(args.raw):
-        key = (process[:60], thread)
-        totals[key] += n
-        for f in set(frames):
-            per_thread[key][f] += n
-        if args.under:
-            at = next((i for i, f in enumerate(frames) if f.startswith(args.under)), None)
-            if at is not None:
-                tree[()] += n
-                below = [f for f in frames[at + 1:] if not f.startswith("0x")]
-                for d in range(1, min(args.depth, len(below)) + 1):
-                    tree[tuple(below[:d])] += n
+    rows = list(read(args.raw))
     if args.under:
+        tree = tree_under(rows, args.under, args.depth)
         print(f"{tree[()]} samples under {args.under}")
         for path, n in sorted(tree.items()):
             if path and n >= args.min:
                 print(f"{n:7d} {100 * n / tree[()]:5.1f}% " + "  " * (len(path) - 1) + path[-1][:120])
         return
-    for key, total in totals.most_common():
-        print(f"== {key[0]} / {key[1]}: {total} samples")
-        for f, n in per_thread[key].most_common(args.top):
+    for (process, thread), (total, frames) in sorted(per_thread(rows).items(), key=lambda kv: -kv[1][0]):
+        print(f"== {process[:60]} / {thread}: {total} samples")
+        for f, n in frames.most_common(args.top):
             print(f"{n:7d} {100 * n / total:5.1f}% {f[:120]}")
 
 
