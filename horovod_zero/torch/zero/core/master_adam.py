@@ -39,22 +39,17 @@ def step(optimizer, group, params, grads, grad_scale=1.0, copies=None):
         finally:
             for p in fresh:
                 p.grad = None
-    dtypes = {g.dtype for g in grads}
-    if len(dtypes) == 1:
-        batches = [(params, grads, copies)]
-    else:  # one launch per gradient dtype
-        batches = [([p for p, g in zip(params, grads) if g.dtype == d], [g for g in grads if g.dtype == d],
-                    None if copies is None else [c for c, g in zip(copies, grads) if g.dtype == d]) for d in dtypes]
     beta1, beta2 = group["betas"]
     hyper = dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
                  weight_decay=float(group["weight_decay"]), decoupled=bool(group["decoupled_weight_decay"]),
                  maximize=bool(group["maximize"]), grad_scale=float(grad_scale))
-    for ps, gs, cs in batches:
-        states = [state[p] for p in ps]
+    for dtype in dict.fromkeys(g.dtype for g in grads):  # one launch per gradient dtype, in order
+        ks = [k for k, g in enumerate(grads) if g.dtype == dtype]
+        states = [state[params[k]] for k in ks]
         try:
-            _core.master_adam_step(ps, gs, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                                   [s["step"] for s in states], **hyper, copies=cs if cs is not None else [],
-                                   add_step=True)
+            _core.master_adam_step([params[k] for k in ks], [grads[k] for k in ks], [s["exp_avg"] for s in states],
+                                   [s["exp_avg_sq"] for s in states], [s["step"] for s in states], **hyper,
+                                   copies=[copies[k] for k in ks] if copies is not None else [], add_step=True)
         except ValueError as e:
             raise ValueError(f"{e} A master shard, its gradient and its state must match; "
                              "HOROVOD_ZERO_MASTER_ADAM=0 steps with torch's kernel instead.") from None
