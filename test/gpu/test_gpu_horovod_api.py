@@ -1,7 +1,8 @@
 """The GPU side of Horovod's torch API, on CUDA tensors over NCCL, each against plain
 torch on every rank: hvd.SyncBatchNorm, alltoall with splits, a model split over two GPUs
 of each process, broadcast_optimizer_state, and the errors for a tensor that is on the CPU
-on one rank and on a GPU on another, and for one grouped op over two GPUs."""
+on one rank and on a GPU on another, and for one grouped op over two GPUs or over the host and a
+GPU."""
 
 import pytest
 import torch
@@ -137,6 +138,26 @@ def _grouped_over_two_gpus():
 def test_one_grouped_op_over_two_gpus_is_refused_clearly(gpus):
     for msg in gpus.run(_grouped_over_two_gpus):
         assert msg is not None and "Group the tensors of each device separately" in msg, msg
+
+
+def _grouped_over_host_and_gpu():
+    ts = [torch.ones(2), torch.ones(2, device=hvd.device())]
+    try:
+        hvd.grouped_allreduce(ts, name="api.host_and_gpu")
+    except ValueError as e:
+        msg = str(e)
+    else:
+        msg = None
+    # Nothing was enqueued: the runtime still works.
+    ok = torch.equal(hvd.allreduce(torch.ones(2, device=hvd.device()), op=hvd.Sum, name="api.after_mixed").cpu(),
+                     torch.full((2,), float(hvd.size())))
+    return msg, ok
+
+
+def test_one_grouped_op_over_the_host_and_a_gpu_is_refused_clearly(gpus):
+    for msg, ok in gpus.run(_grouped_over_host_and_gpu):
+        assert msg is not None and "Group the tensors of each device separately" in msg and "cpu" in msg, msg
+        assert ok
 
 
 def _broadcast_optimizer_state():
