@@ -79,29 +79,34 @@ Status Runtime::SetTimeline(const std::string& path, bool mark_cycles) {
   return timeline_.Switch(path, mark_cycles, [this] { queue_.Wake(); }, timeout);
 }
 
+namespace {
+
+std::string DeviceName(const Request& r) { return r.on_cuda() ? "cuda:" + std::to_string(r.device) : "cpu"; }
+
+}  // namespace
+
+// One grouped op is negotiated as one, but its host tensors would go to Gloo and its
+// device tensors to NCCL, and one ready event orders only one device's stream: so a
+// group holds the tensors of one device. Checked before CUDA's availability, so that
+// the refusal is the same on every machine.
 Status Runtime::CheckDevices(const std::vector<TensorEntry>& entries) {
-  const TensorEntry* first = nullptr;
   for (const auto& e : entries) {
-    if (!e.request.on_cuda()) continue;
-    if (!gpu_) {
-      return Status::InvalidArgument("Tensor '" + e.request.name +
-                                     "' is on CUDA, but this process has no CUDA support: horovod_zero was built "
-                                     "without CUDA, or no GPU is visible. Rebuild on a machine with the CUDA "
-                                     "toolkit and NCCL, or move the tensor to the CPU.");
-    }
-    if (first == nullptr) first = &e;
-    // One ready event, on one device's stream, orders every input of the call.
-    if (e.request.device != first->request.device) {
-      return Status::InvalidArgument("Tensors '" + first->request.name + "' (cuda:" +
-                                     std::to_string(first->request.device) + ") and '" + e.request.name +
-                                     "' (cuda:" + std::to_string(e.request.device) + ") are in one grouped op. "
-                                     "Group the tensors of each device separately.");
-    }
+    const Request& first = entries.front().request;
+    if (e.request.device == first.device) continue;
+    return Status::InvalidArgument("Tensors '" + first.name + "' (" + DeviceName(first) + ") and '" + e.request.name +
+                                   "' (" + DeviceName(e.request) + ") are in one grouped op. Group the tensors of "
+                                   "each device separately.");
   }
-  if (first != nullptr) {
-    int expected = -2;
-    cuda_device_.compare_exchange_strong(expected, first->request.device);
+  if (entries.empty() || !entries.front().request.on_cuda()) return Status::OK();
+  const Request& r = entries.front().request;
+  if (!gpu_) {
+    return Status::InvalidArgument("Tensor '" + r.name +
+                                   "' is on CUDA, but this process has no CUDA support: horovod_zero was built "
+                                   "without CUDA, or no GPU is visible. Rebuild on a machine with the CUDA "
+                                   "toolkit and NCCL, or move the tensor to the CPU.");
   }
+  int expected = -2;
+  cuda_device_.compare_exchange_strong(expected, r.device);
   return Status::OK();
 }
 

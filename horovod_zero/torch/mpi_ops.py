@@ -42,12 +42,7 @@ def _check_tensors(tensors, what):
     for t in tensors:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{what} takes tensors; got {type(t).__name__}.")
-    # The core refuses two GPUs in one group itself; host and device tensors would go to
-    # Gloo and NCCL apart while the group is negotiated as one.
-    devices = {t.device for t in tensors}
-    if len(devices) > 1 and any(d.type != "cuda" for d in devices):
-        raise ValueError(f"{what} got tensors on {', '.join(sorted(str(d) for d in devices))}: one grouped op takes "
-                         "the tensors of one device. Group the tensors of each device separately.")
+    # The core refuses a group over two devices (Runtime::CheckDevices).
     return list(tensors)
 
 

@@ -90,6 +90,29 @@ TEST(Runtime, ACudaTensorIsRefusedWhenCudaIsNotUsable) {
   EXPECT_TRUE(handles.empty());
 }
 
+// Refused on every machine, before CUDA's availability is asked: host tensors would go to
+// Gloo and device tensors to NCCL while the group is negotiated as one.
+TEST(Runtime, AGroupOfHostAndDeviceTensorsIsRefused) {
+  Fixture f;
+  std::vector<float> a{1}, b{2}, c{3};
+  std::vector<TensorEntry> entries;
+  entries.push_back(Entry("on_host", a));
+  entries.push_back(Entry("on_host_too", b));
+  entries.push_back(Entry("on_gpu", c, /*device=*/1));
+  std::vector<int64_t> handles;
+  Status s = f.rt->Enqueue(std::move(entries), nullptr, &handles);
+  EXPECT_EQ(s.type(), StatusType::kInvalidArgument);
+  EXPECT_NE(s.reason().find("'on_host' (cpu) and 'on_gpu' (cuda:1)"), std::string::npos) << s.reason();
+  EXPECT_NE(s.reason().find("Group the tensors of each device separately"), std::string::npos) << s.reason();
+  EXPECT_TRUE(handles.empty());
+  // Nothing was admitted: the same names go through on the host afterwards.
+  std::vector<float> d{1};
+  std::vector<TensorEntry> again;
+  again.push_back(Entry("on_host", d));
+  ASSERT_TRUE(f.rt->Enqueue(std::move(again), nullptr, &handles).ok());
+  EXPECT_TRUE(f.rt->handles().Wait(handles[0]).ok());
+}
+
 TEST(Runtime, ShutdownFailsWhatIsStillPendingAndRefusesMore) {
   Fixture f;
   f.rt->Shutdown();
