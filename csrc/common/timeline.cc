@@ -75,6 +75,13 @@ void Timeline::Span(const std::string& tensor, const char* phase, Clock::time_po
                args.empty() ? "" : ",\"args\":{", args.c_str(), args.empty() ? "" : "}");
 }
 
+void Timeline::RankReady(const std::string& tensor, int rank) {
+  if (!file_) return;
+  int tid = TrackOf(tensor);
+  std::fprintf(file_, "%s{\"name\":\"%d\",\"ph\":\"i\",\"s\":\"t\",\"pid\":%d,\"tid\":%d,\"ts\":%.3f}", Separator(),
+               rank, rank_, tid, Micros(Clock::now()));
+}
+
 // An instant event across the whole trace ("s":"g"), as Horovod marks cycles.
 void Timeline::Marker(const char* name) {
   std::fprintf(file_, "%s{\"name\":\"%s\",\"ph\":\"i\",\"s\":\"g\",\"pid\":%d,\"tid\":0,\"ts\":%.3f}", Separator(),

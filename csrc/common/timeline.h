@@ -41,6 +41,9 @@ class Timeline {
   bool enabled() const { return file_ != nullptr; }
   void Span(const std::string& tensor, const char* phase, Clock::time_point start,
             Clock::time_point end, const std::string& args = "");
+  // An instant event named by the rank, on the tensor's track: the coordinator saw that
+  // rank's submission of it now (Horovod's NEGOTIATE marks; [Note: arrivals]).
+  void RankReady(const std::string& tensor, int rank);
   // Background thread, at the start of each cycle: a pending switch, then the
   // cycle's marker if asked for.
   void StartCycle() {

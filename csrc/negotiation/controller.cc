@@ -30,7 +30,32 @@ Controller::Controller(ControlPlane& cp, const Params& params, const Logger& log
       coordinator_(cp.size(), scope),
       stalls_(params.stall_check_seconds, params.stall_shutdown_seconds, cp.size(), scope, log),
       join_(cp.size()),
-      words_((static_cast<size_t>(params.cache_capacity) + 63) / 64) {}
+      words_((static_cast<size_t>(params.cache_capacity) + 63) / 64),
+      scope_(scope) {}
+
+void Controller::TrackArrivals(bool on) {
+  on = on && cp_.rank() == 0;
+  if (on == !seen_.empty()) return;
+  seen_.assign(on ? cp_.size() : 0, std::vector<uint64_t>(on ? words_ : 0, 0));
+}
+
+void Controller::NoteArrivals(const std::vector<Header>& all, CycleResult* out) {
+  if (seen_.empty()) return;
+  for (size_t r = 0; r < all.size(); ++r) {
+    std::vector<uint64_t> fresh(words_);
+    for (size_t w = 0; w < words_; ++w) fresh[w] = all[r].hits[w] & ~seen_[r][w];
+    ForEachBit(fresh, [&](uint32_t pos) {
+      if (cache_.Holds(pos)) out->arrivals.push_back({cache_.Get(pos).name, scope_.World(static_cast<int>(r))});
+    });
+  }
+}
+
+// A position made ready is free again: the same tensor submitted in a later step arrives anew.
+void Controller::ForgetArrivals(const std::vector<Header>& all, const std::vector<uint64_t>& ready) {
+  if (seen_.empty()) return;
+  for (size_t r = 0; r < all.size(); ++r)
+    for (size_t w = 0; w < words_; ++w) seen_[r][w] = all[r].hits[w] & ~ready[w];
+}
 
 void Controller::Classify(const Request& r) {
   if (r.op == OpType::kJoin) {
@@ -105,8 +130,8 @@ void Controller::Coverage(const std::vector<Header>& all, const std::vector<bool
 }
 
 // Ready: set by every rank that has not joined, and by at least one rank.
-void Controller::CollectReady(const std::vector<Header>& all, const std::vector<uint64_t>& invalid_any,
-                              const std::vector<bool>& joined, CycleResult* out) {
+std::vector<uint64_t> Controller::CollectReady(const std::vector<Header>& all, const std::vector<uint64_t>& invalid_any,
+                                               const std::vector<bool>& joined, CycleResult* out) {
   std::vector<uint64_t> some, ready;
   Coverage(all, joined, &some, &ready);
   for (size_t w = 0; w < words_; ++w) ready[w] &= some[w] & ~invalid_any[w];
@@ -126,6 +151,7 @@ void Controller::CollectReady(const std::vector<Header>& all, const std::vector<
   });
   if (!out->responses.empty())
     HVDZ_LOG(log_, kDebug) << "Cached responses ready on every rank: " << NameList(out->responses, NameOf);
+  return ready;
 }
 
 void Controller::InspectStalls(const std::vector<Header>& all, const std::vector<uint64_t>& invalid_any,
@@ -169,7 +195,8 @@ void Controller::LogDecisions(const std::vector<Response>& resps) const {
   for (const Response* e : errors) HVDZ_LOG(log_, kDebug) << "Coordinator: error for '" << e->name << "': " << e->error;
 }
 
-Status Controller::SlowPath(const std::vector<bool>& joined, std::vector<Response>* out) {
+Status Controller::SlowPath(const std::vector<bool>& joined, std::vector<Response>* out,
+                            std::vector<Arrival>* arrivals) {
   ++slow_path_cycles_;
   HVDZ_LOG(log_, kDebug) << "Slow path: " << unsent_.size() << " request(s) of this rank to the coordinator"
                          << (unsent_.empty() ? "" : ": ") << NameList(unsent_, NameOfRequest);
@@ -182,10 +209,12 @@ Status Controller::SlowPath(const std::vector<bool>& joined, std::vector<Respons
   std::vector<uint8_t> reply;
   if (cp_.rank() == 0) {
     std::vector<Response> resps;
-    for (const auto& bytes : gathered) {
+    for (size_t r = 0; r < gathered.size(); ++r) {
       std::vector<Request> reqs;
-      if (!ParseRequests(bytes.data(), bytes.size(), &reqs))
+      if (!ParseRequests(gathered[r].data(), gathered[r].size(), &reqs))
         return Status::Error("Corrupt request list received by the coordinator.");
+      if (!seen_.empty())
+        for (const auto& q : reqs) arrivals->push_back({q.name, scope_.World(static_cast<int>(r))});
       coordinator_.Add(reqs, &resps);
     }
     // After every rank's list: a rank that joined in this cycle may have sent the
@@ -255,7 +284,8 @@ Status Controller::RunCycle(const std::vector<Request>& new_requests, bool want_
   }
 
   Invalidate(invalid_any);
-  CollectReady(all, invalid_any, joined, out);
+  NoteArrivals(all, out);
+  ForgetArrivals(all, CollectReady(all, invalid_any, joined, out));
   if (cp_.rank() == 0) InspectStalls(all, invalid_any, joined);
 
   // A new join may complete tensors the coordinator holds: every rank sees it in
@@ -263,7 +293,7 @@ Status Controller::RunCycle(const std::vector<Request>& new_requests, bool want_
   if ((any_flags & (kHasUncached | kCoordinatorNews)) || join.grew) {
     out->slow_path = true;
     std::vector<Response> fresh;
-    HVDZ_RETURN_IF_ERROR(SlowPath(joined, &fresh));
+    HVDZ_RETURN_IF_ERROR(SlowPath(joined, &fresh, &out->arrivals));
     Admit(fresh);
     out->responses.insert(out->responses.end(), fresh.begin(), fresh.end());
   }

@@ -21,12 +21,14 @@
 
 #include <cstdint>
 #include <map>
+#include <string>
 #include <unordered_set>
 #include <vector>
 
 #include "common/logging.h"
 #include "common/message.h"
 #include "common/params.h"
+#include "common/set_scope.h"
 #include "negotiation/coordinator.h"
 #include "negotiation/join_tracker.h"
 #include "negotiation/response_cache.h"
@@ -35,8 +37,16 @@
 
 namespace hvdz {
 
+// Rank `rank` (a world rank) submitted tensor `name`: the coordinator first saw it in this cycle.
+struct Arrival {
+  std::string name;
+  int rank = -1;
+};
+
 struct CycleResult {
   std::vector<Response> responses;
+  // The coordinator's (rank 0's) only, while TrackArrivals is on: see [Note: arrivals].
+  std::vector<Arrival> arrivals;
   bool shutdown = false;
   std::vector<int> shutdown_ranks;  // the ranks that asked to stop in this cycle
   bool slow_path = false;
@@ -68,6 +78,14 @@ class Controller {
   // Rank 0: every rank receives `bytes` (non-empty) in the next cycle's
   // CycleResult::announcement. A later call before then replaces it.
   void Announce(std::vector<uint8_t> bytes) { announcement_ = std::move(bytes); }
+  // [Note: arrivals]
+  // Rank 0 can say when each rank submitted each tensor, as Horovod's timeline marks
+  // every rank's readiness in NEGOTIATE: a tensor negotiated late waits for the last
+  // rank to submit it, and the timeline then names that rank. A rank's submission is
+  // seen in the first cycle whose header carries its bit (or whose request list, on
+  // the slow path, carries its request), so the time is the cycle's. Off by default:
+  // it costs a pass over every rank's bits in each cycle.
+  void TrackArrivals(bool on);
   const ResponseCache& cache() const { return cache_; }
   uint64_t slow_path_cycles() const { return slow_path_cycles_; }
 
@@ -94,11 +112,15 @@ class Controller {
   // Bits set by some rank, and by every rank that has not joined.
   void Coverage(const std::vector<Header>& all, const std::vector<bool>& joined, std::vector<uint64_t>* some,
                 std::vector<uint64_t>* every) const;
-  void CollectReady(const std::vector<Header>& all, const std::vector<uint64_t>& invalid_any,
-                    const std::vector<bool>& joined, CycleResult* out);
+  // Returns the positions made ready.
+  std::vector<uint64_t> CollectReady(const std::vector<Header>& all, const std::vector<uint64_t>& invalid_any,
+                                     const std::vector<bool>& joined, CycleResult* out);
+  // Rank 0, tracking: the bits each rank set for the first time; then remembers them.
+  void NoteArrivals(const std::vector<Header>& all, CycleResult* out);
+  void ForgetArrivals(const std::vector<Header>& all, const std::vector<uint64_t>& ready);
   void InspectStalls(const std::vector<Header>& all, const std::vector<uint64_t>& invalid_any,
                      const std::vector<bool>& joined);
-  Status SlowPath(const std::vector<bool>& joined, std::vector<Response>* out);
+  Status SlowPath(const std::vector<bool>& joined, std::vector<Response>* out, std::vector<Arrival>* arrivals);
   void LogDecisions(const std::vector<Response>& resps) const;  // rank 0, debug level
   void Admit(const std::vector<Response>& fresh);
   void Requeue(uint32_t pos);
@@ -118,6 +140,10 @@ class Controller {
   uint64_t slow_path_cycles_ = 0;
   bool joined_ = false;  // this rank has called join() and it has not returned yet
   std::vector<uint8_t> announcement_;  // rank 0: to broadcast in the next cycle
+  const SetScope scope_;
+  // Rank 0, while tracking arrivals: per rank, the cached positions its headers carried
+  // and that are still waiting. Empty: not tracking.
+  std::vector<std::vector<uint64_t>> seen_;
 };
 
 }  // namespace hvdz

@@ -364,6 +364,11 @@ void Runtime::Loop() {
   timeline_.Orphan();
 }
 
+// [Note: arrivals] in negotiation/controller.h: each rank's submission, on the tensor's track.
+void Runtime::MarkArrivals(const CycleResult& result) {
+  for (const auto& a : result.arrivals) timeline_.RankReady(a.name, a.rank);
+}
+
 // See [Note: process sets]: the global set first (it carries shutdown, join and the
 // set table's changes), then the other sets this rank is in, in id order.
 Status Runtime::RunCycles(std::vector<Request> fresh, bool* busy, CycleResult* g) {
@@ -374,7 +379,9 @@ Status Runtime::RunCycles(std::vector<Request> fresh, bool* busy, CycleResult* g
     elsewhere = elsewhere || r.process_set != 0;
     by_set[r.process_set].push_back(std::move(r));
   }
+  global().controller().TrackArrivals(timeline_.enabled());
   HVDZ_RETURN_IF_ERROR(global().controller().RunCycle(by_set[0], shutdown_requested_.load(), g, elsewhere));
+  MarkArrivals(*g);
   ApplySetChanges(*g);
   if (!g->announcement.empty()) ApplyAnnouncement(*g);
   Execute(global(), *g, Clock::now());
@@ -385,7 +392,9 @@ Status Runtime::RunCycles(std::vector<Request> fresh, bool* busy, CycleResult* g
     ProcessSet& ps = *kv.second;
     if (ps.id() == 0 || !ps.included()) continue;
     CycleResult result;
+    ps.controller().TrackArrivals(timeline_.enabled());
     HVDZ_RETURN_IF_ERROR(ps.controller().RunCycle(by_set[ps.id()], false, &result));
+    MarkArrivals(result);
     Execute(ps, result, Clock::now());
     ObserveWork(ps, result);
     *busy = *busy || result.slow_path || !result.responses.empty();

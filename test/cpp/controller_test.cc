@@ -95,6 +95,33 @@ TEST(Controller, ATensorIsReadyOnlyOnceEveryRankSubmittedIt) {
   EXPECT_FALSE(t[0].slow[5]);
 }
 
+// [Note: arrivals]: rank 0 reports each rank's submission once, in the cycle it first
+// sees it, on the slow path and from the cache's bits alike; the others report none.
+TEST(Controller, RankZeroReportsWhenEachRankSubmitted) {
+  Params p;
+  auto t = RunRanks(3, p, 8, [](int rank, int cycle) {
+    // Round one (slow path): rank 2 at cycle 0, rank 0 at 1, rank 1 at 3. Round two
+    // (cached): ranks 0 and 1 at 4, rank 2 at 6.
+    const int first[3] = {1, 3, 0}, second[3] = {4, 4, 6};
+    bool submit = cycle == first[rank] || cycle == second[rank];
+    return submit ? std::vector<Request>{Req("x", {8})} : std::vector<Request>{};
+  }, 0, /*track_arrivals=*/true);
+  ExpectIdentical(t);
+  std::vector<std::vector<int>> ranks(8);
+  for (int k = 0; k < 8; ++k)
+    for (const auto& a : t[0].results[k].arrivals) {
+      EXPECT_EQ(a.name, "x");
+      ranks[k].push_back(a.rank);
+    }
+  EXPECT_EQ(ranks, (std::vector<std::vector<int>>{{2}, {0}, {}, {1}, {0, 1}, {}, {2}, {}}));
+  int cycle = -1;
+  ASSERT_NE(Find(t[0], "x", &cycle), nullptr);
+  EXPECT_EQ(cycle, 3);
+  EXPECT_FALSE(t[0].slow[6]);  // the second round came from the cache's bits
+  for (int r = 1; r < 3; ++r)
+    for (const auto& res : t[r].results) EXPECT_TRUE(res.arrivals.empty()) << "rank " << r;
+}
+
 TEST(Controller, EvictionKeepsEveryRanksCacheInStep) {
   Params p;
   p.cache_capacity = 2;

@@ -36,13 +36,16 @@ struct Trace {
 
 using Script = std::function<std::vector<Request>(int rank, int cycle)>;
 
-inline std::vector<Trace> RunRanks(int size, const Params& p, int cycles, const Script& script, int sleep_ms = 0) {
+// `track_arrivals`: each controller reports arrivals (rank 0 only does).
+inline std::vector<Trace> RunRanks(int size, const Params& p, int cycles, const Script& script, int sleep_ms = 0,
+                                   bool track_arrivals = false) {
   Hub hub(size);
   std::vector<Trace> out(size);
   Spawn(size, [&](int rank) {
     InMemoryControlPlane cp(hub, rank);
     Logger log(LogLevel::kFatal, rank);
     Controller c(cp, p, log);
+    c.TrackArrivals(track_arrivals);
     for (int k = 0; k < cycles; ++k) {
       auto reqs = script(rank, k);
       for (auto& r : reqs) r.rank = rank;

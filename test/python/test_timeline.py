@@ -4,12 +4,17 @@ rank 0 writes, a second start switches files, a stop without a start does nothin
 mark_cycles adds an instant CYCLE_START event per cycle."""
 
 import json
+import os
+import sys
 
 import pytest
 import torch
 
 import horovod_zero.torch as hvd
 from harness import launch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+import timeline_late  # noqa: E402
 
 
 def _with_timeline():
@@ -36,6 +41,37 @@ def test_timeline_is_valid_json_with_phase_spans(tmp_path):
     for name, phases in expected.items():
         for phase in phases:
             assert (name, phase) in spans, (name, phase, sorted(spans))
+
+
+def _one_late():
+    import time
+    hvd.init()
+    for _ in range(2):  # through the coordinator, then from the response cache
+        if hvd.rank() == 1:
+            time.sleep(0.3)
+        hvd.allreduce(torch.ones(2), name="waits_for_rank_1")
+    hvd.shutdown()
+
+
+def test_the_timeline_marks_when_each_rank_submitted(tmp_path):
+    path = tmp_path / "timeline.json"
+    res = launch(_one_late, 2, env={"HOROVOD_TIMELINE": str(path)}, timeout=60)
+    assert all(s == "ok" for s, _ in res.values()), res
+    events = json.loads(path.read_text())
+    track = next(e["tid"] for e in events if e.get("ph") == "M" and e["args"]["name"] == "waits_for_rank_1")
+    marks = sorted((e["ts"], e["name"]) for e in events if e["tid"] == track and e["ph"] == "i")
+    # Per round, rank 0's submission, then rank 1's 0.3 s later; the negotiation ends at the last.
+    assert [name for _, name in marks] == ["0", "1", "0", "1"], marks
+    for (t0, _), (t1, _) in zip(marks[::2], marks[1::2]):
+        assert t1 - t0 > 200e3, marks
+    ends = sorted(e["ts"] + e["dur"] for e in events if e["tid"] == track and e["name"] == "NEGOTIATE")
+    assert len(ends) == 2 and all(end >= t1 for end, (t1, _) in zip(ends, marks[1::2])), (ends, marks)
+    # examples/timeline_late.py reads the same: rank 1 last in both rounds, 0.3 s behind.
+    table = timeline_late.summarize(timeline_late.negotiations(events))
+    row = table["other"]
+    assert row["negotiations"] == 2 and list(row["last"]) == [1] and row["last"][1][0] == 2, table
+    assert row["spread_median_ms"] > 200, table
+    assert timeline_late.summarize(timeline_late.negotiations(events, skip=1))["other"]["negotiations"] == 1
 
 
 def _recorded(path):
