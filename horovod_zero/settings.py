@@ -306,10 +306,6 @@ def read(env=None) -> Settings:
         raise ValueError("HOROVOD_ZERO_CE_ALLGATHER_BYTES cannot be used in an elastic job (HOROVOD_ELASTIC=1): "
                          "a copy-engine allgather waiting for a lost peer cannot be interrupted, so the job could "
                          "not recover. Unset it for elastic jobs.")
-    if values["ce_allgather_bytes"] and values["gather_stream"]:
-        # The window belongs to the communicator the other collectives use.
-        raise ValueError("HOROVOD_ZERO_CE_ALLGATHER_BYTES and HOROVOD_ZERO_GATHER_STREAM=1 cannot be combined: "
-                         "the copy-engine window is not on the gather stream's communicator. Set one of them.")
     if values["ce_allgather_bytes"]:
         _check_nccl_for_windows(os.environ if env is None else env)
     values["fixed"] = explicitly_set(TUNABLE, env)

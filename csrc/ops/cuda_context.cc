@@ -17,7 +17,7 @@ CudaContext::CudaContext(Lane main, Lane gathers, Allocator& alloc, const Params
       log_(log),
       windows_(windows),
       gather_lanes_(lanes) {
-  windows_ += lanes_[0].comm->window_bytes();
+  windows_ += WindowsHeld();
   if (lanes_[1].comm) ++gather_lanes_;
   finalizer_ = std::thread([this] {
     UseFineTimerSlack();
@@ -33,8 +33,12 @@ CudaContext::~CudaContext() {
   }
   cv_.notify_all();
   finalizer_.join();  // every queued op has finished (or failed) by now
-  windows_ -= lanes_[0].comm->window_bytes();
+  windows_ -= WindowsHeld();
   if (lanes_[1].comm) --gather_lanes_;
+}
+
+int64_t CudaContext::WindowsHeld() const {
+  return lanes_[0].comm->window_bytes() + (lanes_[1].comm ? lanes_[1].comm->window_bytes() : 0);
 }
 
 Status CudaContext::WaitForInputs(const std::vector<TensorEntry>& entries) {

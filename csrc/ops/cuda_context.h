@@ -82,6 +82,7 @@ class CudaContext : public DeviceContext {
   Status FusionBuffer(size_t bytes, void** ptr) override;
   int64_t WindowBytes() const override { return lanes_[lane_].comm->window_bytes(); }
   Status WindowBuffer(void** ptr) override;
+  int64_t WindowsHeld() const;  // both lanes' windows, for runtime_info()
   void Finish(std::vector<TensorEntry> entries, const Status& s) override;
   // Every writer of an output (NCCL, or the copy-out stream after an event on it) is
   // ordered after earlier work on the NCCL stream.

@@ -72,12 +72,18 @@ class CudaSupport : public GpuSupport {
     Device* d = nullptr;
     HVDZ_RETURN_IF_ERROR(DeviceOf(device, &d));
     std::unique_ptr<NcclCommunicator> comm;
-    HVDZ_RETURN_IF_ERROR(NcclCommunicator::Create(device, cp, d->stream, params_.ce_allgather_bytes, &comm));
-    if (params_.ce_allgather_bytes > 0 && comm->window() == nullptr)
-      HVDZ_LOG(log_, kWarning) << "HOROVOD_ZERO_CE_ALLGATHER_BYTES is set, but allgathers on cuda:" << device
-                               << " keep NCCL's kernels: " << comm->window_note() << ".";
+    HVDZ_RETURN_IF_ERROR(NcclCommunicator::Create(device, cp, d->stream, params_.ce_allgather_bytes, &comm,
+                                                  /*open_window=*/false));
     std::unique_ptr<NcclCommunicator> gathers;
     HVDZ_RETURN_IF_ERROR(OpenGatherComm(*d, cp, *comm, &gathers));
+    // The window belongs to the communicator that runs the allgathers: the gather lane's
+    // where every rank has one, else the main one. Every rank takes the same branch.
+    NcclCommunicator& owner = gathers ? *gathers : *comm;
+    if (comm->agreed_window() > 0) HVDZ_RETURN_IF_ERROR(owner.OpenWindow(cp, comm->agreed_window()));
+    if (params_.ce_allgather_bytes > 0 && owner.window() == nullptr)
+      HVDZ_LOG(log_, kWarning) << "HOROVOD_ZERO_CE_ALLGATHER_BYTES is set, but allgathers on cuda:" << device
+                               << " keep NCCL's kernels: "
+                               << (owner.window_note().empty() ? comm->window_note() : owner.window_note()) << ".";
     *out = NewContext(*d, std::move(comm), std::move(gathers), alloc);
     return Status::OK();
   }
@@ -153,7 +159,8 @@ class CudaSupport : public GpuSupport {
                                  << " SMs or more. Set it alike on every rank.";
       return Status::OK();
     }
-    Status s = NcclCommunicator::Split(comm, cp.rank(), out, d.gather_stream, d.gather_ctas);
+    Status s = NcclCommunicator::Split(comm, cp.rank(), out, d.gather_stream, d.gather_ctas,
+                                       /*for_window=*/comm.agreed_window() > 0);
     HVDZ_RETURN_IF_ERROR(AllSay(cp, s.ok(), &all));
     if (all) return Status::OK();
     if (*out) (*out)->Abort();  // no collective teardown with ranks whose split failed

@@ -3,7 +3,8 @@
 window is registered; grouped gathers with a cast and uneven dim 0, lone ones, and
 ones too large for the window all match; many in flight at once reuse the one window
 safely; ZeRO stage 3 trains to the CPU reference through it. On 2 GPUs the gathers
-run with no NCCL allgather kernel at all."""
+run with no NCCL allgather kernel at all. Each also with the gather lane
+(HOROVOD_ZERO_GATHER_STREAM=1), whose communicator then holds the window."""
 
 import pytest
 import torch
@@ -23,9 +24,17 @@ CE_ENV = {"HOROVOD_ZERO_CE_ALLGATHER_BYTES": str(WINDOW), "HOROVOD_FUSION_THRESH
           "HOROVOD_ZERO_COPY_STREAM_BYTES": "1"}
 
 
+LANE_ENV = dict(CE_ENV, HOROVOD_ZERO_GATHER_STREAM="1")
+
+
 @pytest.fixture(params=on_gpus(1, 2))
 def gpus_ce(request):
     return shared_pool(request.param, env=CE_ENV)
+
+
+@pytest.fixture(params=on_gpus(1, 2))
+def gpus_ce_lane(request):
+    return shared_pool(request.param, env=LANE_ENV)
 
 
 def _gathers():
@@ -47,18 +56,30 @@ def _gathers():
                                 torch.cat([make(k, (65536 + 17 * i,), "bfloat16", 50 + i) for k in range(n)]))
                     for i, h in enumerate(handles))
     gathers = sum(s["collectives"] for s in hvd.collective_stats() if s["op"] == "allgather")
-    return cast_ok, lone_ok, big_ok, flight_ok, gathers, hvd.runtime_info()["gather_window_bytes"]
+    info = hvd.runtime_info()
+    return cast_ok, lone_ok, big_ok, flight_ok, gathers, info["gather_window_bytes"], info["gather_lanes"]
 
 
 def test_allgathers_through_the_window_match_torch(gpus_ce):
-    for cast_ok, lone_ok, big_ok, flight_ok, gathers, window in gpus_ce.run(_gathers):
+    for cast_ok, lone_ok, big_ok, flight_ok, gathers, window, lanes in gpus_ce.run(_gathers):
         assert (cast_ok, lone_ok, big_ok, flight_ok) == (True, True, True, True)
-        assert window == WINDOW
+        assert window == WINDOW and lanes == 0
         assert gathers >= 6, gathers  # the 40 in flight took several window ops
+
+
+def test_allgathers_through_the_gather_lanes_window_match_torch(gpus_ce_lane):
+    for cast_ok, lone_ok, big_ok, flight_ok, gathers, window, lanes in gpus_ce_lane.run(_gathers):
+        assert (cast_ok, lone_ok, big_ok, flight_ok) == (True, True, True, True)
+        assert window == WINDOW and lanes == 1  # one window, the lane's
+        assert gathers >= 6, gathers
 
 
 def test_stage3_through_the_window_matches_the_reference(gpus_ce):
     check_stage3_trains_to_the_reference(gpus_ce)
+
+
+def test_stage3_through_the_gather_lanes_window_matches_the_reference(gpus_ce_lane):
+    check_stage3_trains_to_the_reference(gpus_ce_lane)
 
 
 def _kernel_names():
@@ -73,8 +94,9 @@ def _kernel_names():
 
 
 @pytest.mark.gpus(2)
-def test_on_two_gpus_the_gather_runs_on_the_copy_engines():
-    pool = shared_pool(2, env=CE_ENV)
+@pytest.mark.parametrize("env", [CE_ENV, LANE_ENV], ids=["main", "lane"])
+def test_on_two_gpus_the_gather_runs_on_the_copy_engines(env):
+    pool = shared_pool(2, env=env)
     for ok, kernels in pool.run(_kernel_names):
         assert ok
         assert not [k for k in kernels if "allgather" in k.lower()], kernels

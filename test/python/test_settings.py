@@ -73,9 +73,9 @@ def test_the_copy_engine_window_is_refused_in_an_elastic_job():
     assert settings.read({"HOROVOD_ELASTIC": "1"}).ce_allgather_bytes == 0
 
 
-def test_the_gather_stream_and_the_copy_engine_window_are_refused_together():
-    with pytest.raises(ValueError, match="cannot be combined"):
-        settings.read({"HOROVOD_ZERO_GATHER_STREAM": "1", "HOROVOD_ZERO_CE_ALLGATHER_BYTES": "134217728"})
+def test_the_gather_stream_takes_the_copy_engine_window():
+    both = settings.read({"HOROVOD_ZERO_GATHER_STREAM": "1", "HOROVOD_ZERO_CE_ALLGATHER_BYTES": "134217728"})
+    assert both.gather_stream is True and both.ce_allgather_bytes == 134217728
     assert settings.read({"HOROVOD_ZERO_GATHER_STREAM": "1"}).gather_stream is True
     assert settings.read({}).gather_stream is False
 

@@ -45,7 +45,7 @@ Status NcclStatus(ncclResult_t r, const char* what) {
 }
 
 Status NcclCommunicator::Create(int device, ControlPlane& cp, cudaStream_t stream, int64_t window_bytes,
-                                std::unique_ptr<NcclCommunicator>* out) {
+                                std::unique_ptr<NcclCommunicator>* out, bool open_window) {
   HVDZ_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device), "cudaSetDevice"));
   ncclUniqueId id;
   std::vector<uint8_t> bytes;
@@ -70,12 +70,13 @@ Status NcclCommunicator::Create(int device, ControlPlane& cp, cudaStream_t strea
 #endif
   out->reset(new NcclCommunicator(device, comm, stream));
   (*out)->window_note_ = note;
-  if (window) HVDZ_RETURN_IF_ERROR((*out)->OpenWindow(cp, window_bytes));
+  if (window) (*out)->agreed_window_ = window_bytes;
+  if (window && open_window) HVDZ_RETURN_IF_ERROR((*out)->OpenWindow(cp, window_bytes));
   return Status::OK();
 }
 
 Status NcclCommunicator::Split(NcclCommunicator& parent, int key, std::unique_ptr<NcclCommunicator>* out,
-                               cudaStream_t stream, int max_ctas) {
+                               cudaStream_t stream, int max_ctas, bool for_window) {
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 18, 0)
   HVDZ_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(parent.device_), "cudaSetDevice"));
   ncclComm_t comm = nullptr;
@@ -85,8 +86,12 @@ Status NcclCommunicator::Split(NcclCommunicator& parent, int key, std::unique_pt
     config.maxCTAs = max_ctas;
     config.splitShare = 0;  // resources of its own, whatever NCCL_COMM_SPLIT_SHARE_RESOURCES says
   }
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
+  if (for_window) config.CTAPolicy = NCCL_CTA_POLICY_ZERO;
+#endif
+  const bool configured = max_ctas > 0 || for_window;
   HVDZ_RETURN_IF_ERROR(NcclStatus(ncclCommSplit(parent.comm_, color, key >= 0 ? key : 0, &comm,
-                                                max_ctas > 0 ? &config : nullptr),
+                                                configured ? &config : nullptr),
                                   "ncclCommSplit"));
   if (comm != nullptr) out->reset(new NcclCommunicator(parent.device_, comm, stream ? stream : parent.stream_));
   return Status::OK();
@@ -96,6 +101,7 @@ Status NcclCommunicator::Split(NcclCommunicator& parent, int key, std::unique_pt
   (void)out;
   (void)stream;
   (void)max_ctas;
+  (void)for_window;
   return Status::Error("this NCCL has no ncclCommSplit (2.18 or later)");
 #endif
 }

@@ -20,16 +20,20 @@ class NcclCommunicator : public Communicator {
   // A communicator of cp's ranks, its unique id from cp's rank 0; collectives go on
   // `stream`, which the caller keeps until this communicator is gone. `window_bytes`
   // > 0 asks for a symmetric window of that size (see [Note: copy-engine allgather]).
+  // With `open_window` false the ranks only agree on the window and the communicator asks
+  // for no CTAs; agreed_window() says its size, and OpenWindow (here or on a split) makes it.
   static Status Create(int device, ControlPlane& cp, cudaStream_t stream, int64_t window_bytes,
-                       std::unique_ptr<NcclCommunicator>* out);
+                       std::unique_ptr<NcclCommunicator>* out, bool open_window = true);
   // ncclCommSplit of `parent`, collective over every rank of it: `key` >= 0 is this
   // rank's place in the new communicator (ranks ordered by key), -1 takes no part
   // and gets none (*out stays null). Same device as `parent`; its collectives go on
   // `stream`, or on the parent's when null. `max_ctas` > 0 caps the CTAs of each of its
   // kernels (ncclConfig_t::maxCTAs) and gives it resources of its own, not the parent's, so
   // that the two can run at once. Fails on an NCCL without ncclCommSplit (before 2.18).
+  // `for_window`: the split asks for no CTAs, so that a window opened on it later runs
+  // allgathers on the copy engines.
   static Status Split(NcclCommunicator& parent, int key, std::unique_ptr<NcclCommunicator>* out,
-                      cudaStream_t stream = nullptr, int max_ctas = 0);
+                      cudaStream_t stream = nullptr, int max_ctas = 0, bool for_window = false);
   ~NcclCommunicator() override;
 
   cudaStream_t stream() const { return stream_; }
@@ -38,6 +42,11 @@ class NcclCommunicator : public Communicator {
   void* window() const { return window_buf_; }
   int64_t window_bytes() const { return window_buf_ != nullptr ? window_bytes_ : 0; }
   const std::string& window_note() const { return window_note_; }
+  // The window size every rank agreed to at Create (0: none), opened or not.
+  int64_t agreed_window() const { return agreed_window_; }
+  // Collective over cp (this communicator's ranks): allocates and registers the window,
+  // or leaves none (window_note() says why) when a rank cannot; fails if registration does.
+  Status OpenWindow(ControlPlane& cp, int64_t window_bytes);
   int device() const { return device_; }
   // A failure NCCL found on its own (a peer's network error, ...).
   Status AsyncError();
@@ -62,7 +71,6 @@ class NcclCommunicator : public Communicator {
   // nccl_window.cc: whether every rank can take a window (one host, NCCL 2.28 or later),
   // agreed over `cp` before the communicator exists; then the collective registration.
   static bool WindowWanted(ControlPlane& cp, int64_t window_bytes, std::string* note);
-  Status OpenWindow(ControlPlane& cp, int64_t window_bytes);
   void CloseWindow();
 
   int device_;
@@ -72,6 +80,7 @@ class NcclCommunicator : public Communicator {
   void* window_buf_ = nullptr;
   void* window_handle_ = nullptr;  // ncclWindow_t, where this NCCL has windows
   int64_t window_bytes_ = 0;
+  int64_t agreed_window_ = 0;
   std::string window_note_;
 };
 
