@@ -9,11 +9,12 @@ the rest):
                    median lag behind the first rank when it was last, ms
 
 A rank that is last far more often than the others, by milliseconds, is the one to look at
-(its host runs behind); a spread under a millisecond spread evenly is the ranks' noise.
+(its host runs behind); a spread under a millisecond, shared evenly among the ranks, is noise.
 
     HOROVOD_TIMELINE=tl.json torchrun ... ; python examples/timeline_late.py tl.json [--skip 2]
 
---skip N drops the negotiations of each tensor's first N rounds (warm-up steps).
+--skip N drops the negotiations of each tensor's first N rounds (warm-up steps). Rounds that
+lack a rank's mark (it submitted before the timeline began, or had joined) are left out.
 """
 import argparse
 import collections
@@ -60,8 +61,10 @@ def negotiations(events, skip=0):
 def summarize(rounds):
     """Per kind: count, spread median and p90 (ms), and per rank (times last, median lag ms)."""
     by_kind = collections.defaultdict(list)
+    ranks = max((len(at) for _, at in rounds), default=0)
     for name, at in rounds:
-        by_kind[kind_of(name)].append(at)
+        if len(at) == ranks:
+            by_kind[kind_of(name)].append(at)
     table = {}
     for kind, rs in sorted(by_kind.items()):
         spreads = sorted((max(a.values()) - min(a.values())) / 1e3 for a in rs)

@@ -35,26 +35,32 @@ Controller::Controller(ControlPlane& cp, const Params& params, const Logger& log
 
 void Controller::TrackArrivals(bool on) {
   on = on && cp_.rank() == 0;
-  if (on == !seen_.empty()) return;
-  seen_.assign(on ? cp_.size() : 0, std::vector<uint64_t>(on ? words_ : 0, 0));
+  if (on == tracking_) return;
+  tracking_ = priming_ = on;
+  reported_.assign(on ? cp_.size() : 0, {});
 }
 
-void Controller::NoteArrivals(const std::vector<Header>& all, CycleResult* out) {
-  if (seen_.empty()) return;
-  for (size_t r = 0; r < all.size(); ++r) {
-    std::vector<uint64_t> fresh(words_);
-    for (size_t w = 0; w < words_; ++w) fresh[w] = all[r].hits[w] & ~seen_[r][w];
-    ForEachBit(fresh, [&](uint32_t pos) {
-      if (cache_.Holds(pos)) out->arrivals.push_back({cache_.Get(pos).name, scope_.World(static_cast<int>(r))});
-    });
-  }
+// Keyed by name, not cache position: a position evicted, invalidated or failed may come
+// back through the slow path, or hold another tensor, and neither is a new arrival.
+void Controller::NoteArrival(const std::string& name, int rank, bool report, CycleResult* out) {
+  if (reported_[rank].insert(name).second && report) out->arrivals.push_back({name, scope_.World(rank)});
 }
 
-// A position made ready is free again: the same tensor submitted in a later step arrives anew.
-void Controller::ForgetArrivals(const std::vector<Header>& all, const std::vector<uint64_t>& ready) {
-  if (seen_.empty()) return;
+void Controller::NoteHits(const std::vector<Header>& all, CycleResult* out) {
+  if (!tracking_) return;
   for (size_t r = 0; r < all.size(); ++r)
-    for (size_t w = 0; w < words_; ++w) seen_[r][w] = all[r].hits[w] & ~ready[w];
+    ForEachBit(all[r].hits, [&](uint32_t pos) {
+      if (cache_.Holds(pos)) NoteArrival(cache_.Get(pos).name, static_cast<int>(r), !priming_, out);
+    });
+}
+
+// A tensor answered (ready, or failed) arrives anew when it is submitted again. The first
+// cycle tracked only learns the cache bits pending, which may predate the timeline.
+void Controller::ForgetAnswered(const std::vector<Response>& responses) {
+  if (!tracking_) return;
+  for (const auto& resp : responses)
+    for (auto& names : reported_) names.erase(resp.name);
+  priming_ = false;
 }
 
 void Controller::Classify(const Request& r) {
@@ -130,8 +136,8 @@ void Controller::Coverage(const std::vector<Header>& all, const std::vector<bool
 }
 
 // Ready: set by every rank that has not joined, and by at least one rank.
-std::vector<uint64_t> Controller::CollectReady(const std::vector<Header>& all, const std::vector<uint64_t>& invalid_any,
-                                               const std::vector<bool>& joined, CycleResult* out) {
+void Controller::CollectReady(const std::vector<Header>& all, const std::vector<uint64_t>& invalid_any,
+                              const std::vector<bool>& joined, CycleResult* out) {
   std::vector<uint64_t> some, ready;
   Coverage(all, joined, &some, &ready);
   for (size_t w = 0; w < words_; ++w) ready[w] &= some[w] & ~invalid_any[w];
@@ -151,7 +157,6 @@ std::vector<uint64_t> Controller::CollectReady(const std::vector<Header>& all, c
   });
   if (!out->responses.empty())
     HVDZ_LOG(log_, kDebug) << "Cached responses ready on every rank: " << NameList(out->responses, NameOf);
-  return ready;
 }
 
 void Controller::InspectStalls(const std::vector<Header>& all, const std::vector<uint64_t>& invalid_any,
@@ -195,8 +200,7 @@ void Controller::LogDecisions(const std::vector<Response>& resps) const {
   for (const Response* e : errors) HVDZ_LOG(log_, kDebug) << "Coordinator: error for '" << e->name << "': " << e->error;
 }
 
-Status Controller::SlowPath(const std::vector<bool>& joined, std::vector<Response>* out,
-                            std::vector<Arrival>* arrivals) {
+Status Controller::SlowPath(const std::vector<bool>& joined, std::vector<Response>* out, CycleResult* out_cycle) {
   ++slow_path_cycles_;
   HVDZ_LOG(log_, kDebug) << "Slow path: " << unsent_.size() << " request(s) of this rank to the coordinator"
                          << (unsent_.empty() ? "" : ": ") << NameList(unsent_, NameOfRequest);
@@ -213,8 +217,8 @@ Status Controller::SlowPath(const std::vector<bool>& joined, std::vector<Respons
       std::vector<Request> reqs;
       if (!ParseRequests(gathered[r].data(), gathered[r].size(), &reqs))
         return Status::Error("Corrupt request list received by the coordinator.");
-      if (!seen_.empty())
-        for (const auto& q : reqs) arrivals->push_back({q.name, scope_.World(static_cast<int>(r))});
+      if (tracking_)
+        for (const auto& q : reqs) NoteArrival(q.name, static_cast<int>(r), true, out_cycle);
       coordinator_.Add(reqs, &resps);
     }
     // After every rank's list: a rank that joined in this cycle may have sent the
@@ -284,8 +288,8 @@ Status Controller::RunCycle(const std::vector<Request>& new_requests, bool want_
   }
 
   Invalidate(invalid_any);
-  NoteArrivals(all, out);
-  ForgetArrivals(all, CollectReady(all, invalid_any, joined, out));
+  NoteHits(all, out);
+  CollectReady(all, invalid_any, joined, out);
   if (cp_.rank() == 0) InspectStalls(all, invalid_any, joined);
 
   // A new join may complete tensors the coordinator holds: every rank sees it in
@@ -293,10 +297,11 @@ Status Controller::RunCycle(const std::vector<Request>& new_requests, bool want_
   if ((any_flags & (kHasUncached | kCoordinatorNews)) || join.grew) {
     out->slow_path = true;
     std::vector<Response> fresh;
-    HVDZ_RETURN_IF_ERROR(SlowPath(joined, &fresh, &out->arrivals));
+    HVDZ_RETURN_IF_ERROR(SlowPath(joined, &fresh, out));
     Admit(fresh);
     out->responses.insert(out->responses.end(), fresh.begin(), fresh.end());
   }
+  ForgetAnswered(out->responses);
   out->self_joined = was_joined;
   if (join.all) {
     out->join_done = true;

@@ -83,8 +83,12 @@ class Controller {
   // every rank's readiness in NEGOTIATE: a tensor negotiated late waits for the last
   // rank to submit it, and the timeline then names that rank. A rank's submission is
   // seen in the first cycle whose header carries its bit (or whose request list, on
-  // the slow path, carries its request), so the time is the cycle's. Off by default:
-  // it costs a pass over every rank's bits in each cycle.
+  // the slow path, carries its request), so the time is the cycle's. Each (rank, tensor)
+  // is reported once until the tensor is answered, however its request travels meanwhile
+  // (a cache entry evicted or invalidated sends it again on the slow path). Tracking
+  // starts by learning the cache bits pending, which may have arrived before it: those
+  // rounds lack those ranks' marks (examples/timeline_late.py leaves them out). Off by default: it costs a pass over every rank's bits in each
+  // cycle.
   void TrackArrivals(bool on);
   const ResponseCache& cache() const { return cache_; }
   uint64_t slow_path_cycles() const { return slow_path_cycles_; }
@@ -112,15 +116,16 @@ class Controller {
   // Bits set by some rank, and by every rank that has not joined.
   void Coverage(const std::vector<Header>& all, const std::vector<bool>& joined, std::vector<uint64_t>* some,
                 std::vector<uint64_t>* every) const;
-  // Returns the positions made ready.
-  std::vector<uint64_t> CollectReady(const std::vector<Header>& all, const std::vector<uint64_t>& invalid_any,
-                                     const std::vector<bool>& joined, CycleResult* out);
-  // Rank 0, tracking: the bits each rank set for the first time; then remembers them.
-  void NoteArrivals(const std::vector<Header>& all, CycleResult* out);
-  void ForgetArrivals(const std::vector<Header>& all, const std::vector<uint64_t>& ready);
+  void CollectReady(const std::vector<Header>& all, const std::vector<uint64_t>& invalid_any,
+                    const std::vector<bool>& joined, CycleResult* out);
+  // Rank 0, tracking arrivals: see [Note: arrivals].
+  void NoteArrival(const std::string& name, int rank, bool report, CycleResult* out);
+  void NoteHits(const std::vector<Header>& all, CycleResult* out);
+  void ForgetAnswered(const std::vector<Response>& responses);
   void InspectStalls(const std::vector<Header>& all, const std::vector<uint64_t>& invalid_any,
                      const std::vector<bool>& joined);
-  Status SlowPath(const std::vector<bool>& joined, std::vector<Response>* out, std::vector<Arrival>* arrivals);
+  // `out_cycle`: where the requests' arrivals go.
+  Status SlowPath(const std::vector<bool>& joined, std::vector<Response>* out, CycleResult* out_cycle);
   void LogDecisions(const std::vector<Response>& resps) const;  // rank 0, debug level
   void Admit(const std::vector<Response>& fresh);
   void Requeue(uint32_t pos);
@@ -141,9 +146,10 @@ class Controller {
   bool joined_ = false;  // this rank has called join() and it has not returned yet
   std::vector<uint8_t> announcement_;  // rank 0: to broadcast in the next cycle
   const SetScope scope_;
-  // Rank 0, while tracking arrivals: per rank, the cached positions its headers carried
-  // and that are still waiting. Empty: not tracking.
-  std::vector<std::vector<uint64_t>> seen_;
+  // Rank 0, while tracking arrivals: per rank, the tensors reported and not answered yet.
+  bool tracking_ = false;
+  bool priming_ = false;  // the first cycle tracked: learns the cache bits, reports none
+  std::vector<std::unordered_set<std::string>> reported_;
 };
 
 }  // namespace hvdz

@@ -72,12 +72,12 @@ class CudaSupport : public GpuSupport {
     Device* d = nullptr;
     HVDZ_RETURN_IF_ERROR(DeviceOf(device, &d));
     std::unique_ptr<NcclCommunicator> comm;
-    HVDZ_RETURN_IF_ERROR(NcclCommunicator::Create(device, cp, d->stream, params_.ce_allgather_bytes, &comm,
-                                                  /*open_window=*/false));
+    HVDZ_RETURN_IF_ERROR(NcclCommunicator::Create(device, cp, d->stream, params_.ce_allgather_bytes, &comm));
     std::unique_ptr<NcclCommunicator> gathers;
     HVDZ_RETURN_IF_ERROR(OpenGatherComm(*d, cp, *comm, &gathers));
     // The window belongs to the communicator that runs the allgathers: the gather lane's
-    // where every rank has one, else the main one. Every rank takes the same branch.
+    // where every rank has one, else the main one. Every rank takes the same branch. The
+    // main one asks for no CTAs either way: the lane is settled only after it is made.
     NcclCommunicator& owner = gathers ? *gathers : *comm;
     if (comm->agreed_window() > 0) HVDZ_RETURN_IF_ERROR(owner.OpenWindow(cp, comm->agreed_window()));
     if (params_.ce_allgather_bytes > 0 && owner.window() == nullptr)

@@ -90,23 +90,23 @@ std::string DeviceName(const Request& r) { return r.on_cuda() ? "cuda:" + std::t
 // group holds the tensors of one device. Checked before CUDA's availability, so that
 // the refusal is the same on every machine.
 Status Runtime::CheckDevices(const std::vector<TensorEntry>& entries) {
+  if (entries.empty()) return Status::OK();
+  const Request& first = entries.front().request;
   for (const auto& e : entries) {
-    const Request& first = entries.front().request;
     if (e.request.device == first.device) continue;
     return Status::InvalidArgument("Tensors '" + first.name + "' (" + DeviceName(first) + ") and '" + e.request.name +
                                    "' (" + DeviceName(e.request) + ") are in one grouped op. Group the tensors of "
                                    "each device separately.");
   }
-  if (entries.empty() || !entries.front().request.on_cuda()) return Status::OK();
-  const Request& r = entries.front().request;
+  if (!first.on_cuda()) return Status::OK();
   if (!gpu_) {
-    return Status::InvalidArgument("Tensor '" + r.name +
+    return Status::InvalidArgument("Tensor '" + first.name +
                                    "' is on CUDA, but this process has no CUDA support: horovod_zero was built "
                                    "without CUDA, or no GPU is visible. Rebuild on a machine with the CUDA "
                                    "toolkit and NCCL, or move the tensor to the CPU.");
   }
   int expected = -2;
-  cuda_device_.compare_exchange_strong(expected, r.device);
+  cuda_device_.compare_exchange_strong(expected, first.device);
   return Status::OK();
 }
 

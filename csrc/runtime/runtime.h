@@ -139,8 +139,9 @@ class Runtime {
   // This rank's device in a new map: its own in `r`, else (joined) one to stand in on.
   Status NewMapDevice(ProcessSet& ps, const Response& r, int* device) const;
   // One Enqueue's entries: CUDA support for CUDA tensors, and one device for them all.
-  void MarkArrivals(const CycleResult& result);
   Status CheckDevices(const std::vector<TensorEntry>& entries);
+  // Rank 0, with a timeline: each rank's submissions the cycle saw first ([Note: arrivals]).
+  void MarkArrivals(const CycleResult& result);
   // runtime_autotune.cc, see [Note: autotuning]: rank 0's announcement put in force
   // on every rank (before the cycle's responses are fused), the tuner's view of the
   // work, and its decision after each loop iteration.

@@ -122,6 +122,56 @@ TEST(Controller, RankZeroReportsWhenEachRankSubmitted) {
     for (const auto& res : t[r].results) EXPECT_TRUE(res.arrivals.empty()) << "rank " << r;
 }
 
+// A pending hit whose cache entry another tensor evicts goes to the coordinator again:
+// still one arrival per rank and round. Tracking turned on mid-run reports nothing pending.
+TEST(Controller, ArrivalsSurviveEvictionAndStartFromWhatIsPending) {
+  Params p;
+  p.cache_capacity = 1;
+  auto t = RunRanks(2, p, 4, [](int rank, int cycle) {
+    std::vector<Request> reqs;
+    // Cycle 0: both "a" (cached). Cycle 1: rank 0 "a" (a hit, waiting) and both "b", whose
+    // entry evicts "a": rank 0's request goes to the coordinator in cycle 2. Cycle 3: rank 1's "a".
+    if (cycle == 0 || (cycle == 1 && rank == 0) || (cycle == 3 && rank == 1)) reqs.push_back(Req("a", {4}));
+    if (cycle == 1) reqs.push_back(Req("b", {4}));
+    return reqs;
+  }, 0, /*track_arrivals=*/true);
+  ExpectIdentical(t);
+  std::vector<std::vector<std::pair<int, std::string>>> got(4);
+  for (int k = 0; k < 4; ++k)
+    for (const auto& a : t[0].results[k].arrivals) got[k].push_back({a.rank, a.name});
+  using V = std::vector<std::pair<int, std::string>>;
+  EXPECT_EQ(got, (std::vector<V>{{{0, "a"}, {1, "a"}}, {{0, "a"}, {0, "b"}, {1, "b"}}, {}, {{1, "a"}}}));
+  int cycle = -1;
+  ASSERT_NE(Find(t[0], "b", &cycle), nullptr);
+  EXPECT_EQ(cycle, 1);
+
+  // Rank 1 submits "c" before rank 0's tracking starts, rank 0 after: only rank 0's is new.
+  Hub hub(2);
+  std::vector<std::vector<Arrival>> first(2), late(2);
+  Spawn(2, [&](int rank) {
+    InMemoryControlPlane cp(hub, rank);
+    Logger log(LogLevel::kFatal, rank);
+    Controller c(cp, p, log);
+    for (int k = 0; k < 4; ++k) {
+      std::vector<Request> reqs;
+      if (k == 0) reqs.push_back(Req("c", {2}));               // cached
+      if (k == 1 && rank == 1) reqs.push_back(Req("c", {2}));  // pending, not tracked yet
+      if (k == 3 && rank == 0) reqs.push_back(Req("c", {2}));
+      for (auto& r : reqs) r.rank = rank;
+      c.TrackArrivals(k >= 2);
+      CycleResult res;
+      EXPECT_TRUE(c.RunCycle(reqs, false, &res).ok());
+      if (k == 2) first[rank] = res.arrivals;
+      if (k == 3) late[rank] = res.arrivals;
+    }
+  });
+  EXPECT_TRUE(first[0].empty());  // the first cycle tracked learns rank 1's pending "c"
+  ASSERT_EQ(late[0].size(), 1u);
+  EXPECT_EQ(late[0][0].rank, 0);
+  EXPECT_EQ(late[0][0].name, "c");
+  EXPECT_TRUE(late[1].empty());
+}
+
 TEST(Controller, EvictionKeepsEveryRanksCacheInStep) {
   Params p;
   p.cache_capacity = 2;

@@ -1,6 +1,7 @@
 """examples/trace_api.py (CUDA API time per thread, from a profiler trace) and
-examples/pin_ranks.py (each local rank on its own share of the cores), on inputs whose
-answer is known: a hand-made trace, a made-up core layout, and a real pinned child."""
+examples/pin_ranks.py (each local rank on its own share of the cores) and
+examples/timeline_late.py (which rank submits last), on inputs whose answer is known: a
+hand-made trace, a made-up core layout, a real pinned child and hand-made rounds."""
 
 import gzip
 import json
@@ -11,6 +12,7 @@ import sys
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
 sys.path.insert(0, EXAMPLES)
 import pin_ranks  # noqa: E402
+import timeline_late  # noqa: E402
 import trace_api  # noqa: E402
 
 
@@ -61,3 +63,16 @@ def test_the_script_runs_pinned_with_its_own_arguments(tmp_path):
                          env=env, capture_output=True, text=True, check=True).stdout
     expected = pin_ranks.share(pin_ranks.physical_cores(os.sched_getaffinity(0)), 0, 1, smt=False)
     assert f"child {sorted(expected)} ['--x', '1']" in out
+
+
+def test_the_late_rank_is_counted_per_kind_and_partial_rounds_are_left_out():
+    rounds = [("zero.param.1", {0: 0.0, 1: 500.0, 2: 100.0}),
+              ("zero.param.2", {0: 2000.0, 1: 0.0, 2: 0.0}),  # ranks 0 late by 2 ms
+              ("zero.param.1", {1: 0.0, 2: 50.0}),  # rank 0 submitted before the timeline began
+              ("zero.grad.3.0", {0: 0.0, 1: 0.0, 2: 300.0})]
+    table = timeline_late.summarize(rounds)
+    gathers = table["parameter gathers"]
+    assert gathers["negotiations"] == 2
+    assert gathers["last"] == {1: (1, 0.5), 0: (1, 2.0)}
+    assert gathers["spread_median_ms"] == 1.25
+    assert table["gradient reductions"]["last"] == {2: (1, 0.3)}

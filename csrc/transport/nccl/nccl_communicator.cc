@@ -45,7 +45,7 @@ Status NcclStatus(ncclResult_t r, const char* what) {
 }
 
 Status NcclCommunicator::Create(int device, ControlPlane& cp, cudaStream_t stream, int64_t window_bytes,
-                                std::unique_ptr<NcclCommunicator>* out, bool open_window) {
+                                std::unique_ptr<NcclCommunicator>* out) {
   HVDZ_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device), "cudaSetDevice"));
   ncclUniqueId id;
   std::vector<uint8_t> bytes;
@@ -71,7 +71,6 @@ Status NcclCommunicator::Create(int device, ControlPlane& cp, cudaStream_t strea
   out->reset(new NcclCommunicator(device, comm, stream));
   (*out)->window_note_ = note;
   if (window) (*out)->agreed_window_ = window_bytes;
-  if (window && open_window) HVDZ_RETURN_IF_ERROR((*out)->OpenWindow(cp, window_bytes));
   return Status::OK();
 }
 

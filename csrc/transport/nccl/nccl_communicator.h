@@ -19,11 +19,11 @@ class NcclCommunicator : public Communicator {
  public:
   // A communicator of cp's ranks, its unique id from cp's rank 0; collectives go on
   // `stream`, which the caller keeps until this communicator is gone. `window_bytes`
-  // > 0 asks for a symmetric window of that size (see [Note: copy-engine allgather]).
-  // With `open_window` false the ranks only agree on the window and the communicator asks
-  // for no CTAs; agreed_window() says its size, and OpenWindow (here or on a split) makes it.
+  // > 0: the ranks agree on a symmetric window of that size (see [Note: copy-engine
+  // allgather]); if all can take one, the communicator asks for no CTAs and
+  // agreed_window() says the size, which OpenWindow (here or on a split) then registers.
   static Status Create(int device, ControlPlane& cp, cudaStream_t stream, int64_t window_bytes,
-                       std::unique_ptr<NcclCommunicator>* out, bool open_window = true);
+                       std::unique_ptr<NcclCommunicator>* out);
   // ncclCommSplit of `parent`, collective over every rank of it: `key` >= 0 is this
   // rank's place in the new communicator (ranks ordered by key), -1 takes no part
   // and gets none (*out stays null). Same device as `parent`; its collectives go on

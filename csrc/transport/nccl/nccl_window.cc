@@ -7,7 +7,8 @@
 // buffers lie in a window registered with NCCL_WIN_COLL_SYMMETRIC: each rank then
 // writes its part straight into its peers' windows at the same offset.
 //
-// So a communicator may own one such window, registered once at creation: a CUDA
+// So a communicator may own one such window, registered once as its device context is
+// made (on the gather lane's communicator where there is one): a CUDA
 // allgather whose fused buffer fits runs through it (ops/plan_fused.cc), copied in
 // and out on the collective stream like any fusion buffer, its rank-major layout
 // starting at the window's base on every rank, which is what makes the offsets
