@@ -8,6 +8,8 @@ reserved memory.
     torchrun --nproc_per_node=2 examples/runtime_memory.py
     HOROVOD_ZERO_GATHER_STREAM=1 torchrun --nproc_per_node=2 examples/runtime_memory.py
 """
+import os
+
 import torch
 
 import horovod_zero.torch as hvd
@@ -19,7 +21,7 @@ def used(dev):
 
 
 def main():
-    dev = torch.device("cuda", int(__import__("os").environ.get("LOCAL_RANK", "0")))
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     torch.cuda.set_device(dev)
     torch.zeros(1, device=dev)  # the CUDA context, which is not the runtime's
     before = used(dev) - torch.cuda.memory_reserved(dev)
