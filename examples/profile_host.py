@@ -5,6 +5,8 @@ HVDZ_CPROFILE=1, cProfile of rank 0 over 10 steps (the main thread only: backwar
 autograd's thread, which a sampling profiler sees, e.g. py-spy record --native --threads).
 HVDZ_TIME_CALLS=1 times the ZeRO package's functions instead (host_calls.py): inclusive host
 time and calls per step, over 10 steps, on every rank, for each mode but the floor.
+HVDZ_SCHEDSTAT=1 says, per phase of 20 more steps, what the busiest threads did (on a CPU,
+waiting for one, blocked: thread_sched.py), the median step and the slowest.
 
     torchrun --nproc_per_node=2 examples/profile_host.py floor zero2 zero3
 """
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 import horovod_zero.torch as hvd
 from host_calls import instrument_zero
 from llama_model import LLAMA_1B, Decoder
+from thread_sched import Snapshots
 
 PHASES = ("forward", "backward", "step", "zero_grad")
 
@@ -48,25 +51,50 @@ def allocator_calls(before, after, steps):
         f"{k[4:]} {(after.get(k, 0) - before.get(k, 0)) / steps:g}" for k in keys)
 
 
-def make_step(m, opt, x, marks):
-    """One training step; appends the host time of each phase to marks."""
+def make_step(m, opt, x, marks, sched=None, snapshots=None):
+    """One training step; appends the host time of each phase to marks, and with `sched`
+    (a list) the threads' scheduler statistics at each phase's start and end."""
+    def mark(t):
+        if sched is not None:
+            sched[-1].append(snapshots.take())
+        t.append(time.perf_counter())
+
     def step():
-        t = [time.perf_counter()]
+        if sched is not None:
+            sched.append([])
+        t = []
+        mark(t)
         loss = F.cross_entropy(m(x).flatten(0, 1).float(), x.flatten())
-        t.append(time.perf_counter())
+        mark(t)
         loss.backward()
-        t.append(time.perf_counter())
+        mark(t)
         if opt is not None:
             opt.step()
-            t.append(time.perf_counter())
+            mark(t)
             opt.zero_grad()
         else:
-            t.append(time.perf_counter())
+            mark(t)
             for p in m.parameters():
                 p.grad = None
-        t.append(time.perf_counter())
+        mark(t)
         marks.append([b - a for a, b in zip(t, t[1:])])
     return step
+
+
+def sched_report(mode, snapshots, steps):
+    """Per phase: the median step's and the slowest step's wall time, and for the threads
+    busiest in it, on a CPU / waiting for one / blocked, in ms."""
+    lines = []
+    for k, phase in enumerate(PHASES[:3]):
+        rows = [snapshots.between(s[k], s[k + 1]) for s in steps]
+        rows.sort(key=lambda r: r[0])
+        busiest = sorted(rows[len(rows) // 2][1].items(), key=lambda kv: -kv[1][0])[:4]
+        for label, (wall, threads) in (("median", rows[len(rows) // 2]), ("slowest", rows[-1])):
+            parts = ", ".join(f"{n} {threads.get(n, [0, 0, 0])[0]:.1f}/{threads.get(n, [0, 0, 0])[1]:.1f}/"
+                              f"{threads.get(n, [0, 0, 0])[2]:.1f}" for n, _ in busiest)
+            lines.append(f"   {phase:8s} {label:7s} {wall:6.1f} ms: {parts}")
+    print(f"== {mode}, rank {hvd.rank()}: threads per phase (on a CPU/waiting for one/blocked, ms)\n"
+          + "\n".join(lines), flush=True)
 
 
 def main():
@@ -104,6 +132,13 @@ def main():
         print(f"== {mode}, rank {hvd.rank()}: median {sorted(times)[7] * 1e3:.1f} ms, back to back "
               f"{back_to_back * 1e3:.1f} ms, peak {torch.cuda.max_memory_allocated(dev) / 2**30:.2f} GiB; "
               f"host per phase (median, ms): {phases}; {allocator_calls(before, after, 20)}", flush=True)
+        if os.environ.get("HVDZ_SCHEDSTAT") == "1":
+            snapshots, snaps = Snapshots(), []
+            sched_step = make_step(m, opt, x, [], snaps, snapshots)
+            for _ in range(20):
+                sched_step()
+            torch.cuda.synchronize()
+            sched_report(mode, snapshots, snaps)
         # For a sampling profiler outside (py-spy record --native --threads): steady steps only.
         spin = int(os.environ.get("HVDZ_SPIN_STEPS", "0"))
         if spin:
