@@ -6,7 +6,9 @@ autograd's thread, which a sampling profiler sees, e.g. py-spy record --native -
 HVDZ_TIME_CALLS=1 times the ZeRO package's functions instead (host_calls.py): inclusive host
 time and calls per step, over 10 steps, on every rank, for each mode but the floor.
 HVDZ_SCHEDSTAT=1 says, per phase of 20 more steps, what the busiest threads did (on a CPU,
-waiting for one, blocked: thread_sched.py), the median step and the slowest.
+waiting for one, blocked: thread_sched.py), the median step and the slowest; and how long a
+fixed piece of pure Python takes on autograd's thread at the start of each backward (the
+host's speed there, whatever the step does).
 
     torchrun --nproc_per_node=2 examples/profile_host.py floor zero2 zero3
 """
@@ -51,9 +53,27 @@ def allocator_calls(before, after, steps):
         f"{k[4:]} {(after.get(k, 0) - before.get(k, 0)) / steps:g}" for k in keys)
 
 
-def make_step(m, opt, x, marks, sched=None, snapshots=None):
+class SpeedProbe(torch.autograd.Function):
+    """Passes its input through; its backward, the first node of a backward, times a fixed
+    piece of pure Python on autograd's thread."""
+
+    @staticmethod
+    def forward(ctx, x, times):
+        ctx.times = times
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        t = time.perf_counter()
+        sum(i * i for i in range(20000))
+        ctx.times.append(time.perf_counter() - t)
+        return g, None
+
+
+def make_step(m, opt, x, marks, sched=None, snapshots=None, probe=None):
     """One training step; appends the host time of each phase to marks, and with `sched`
-    (a list) the threads' scheduler statistics at each phase's start and end."""
+    (a list) the threads' scheduler statistics at each phase's start and end; with `probe`
+    (a list), SpeedProbe's time in each backward."""
     def mark(t):
         if sched is not None:
             sched[-1].append(snapshots.take())
@@ -64,7 +84,8 @@ def make_step(m, opt, x, marks, sched=None, snapshots=None):
             sched.append([])
         t = []
         mark(t)
-        loss = F.cross_entropy(m(x).flatten(0, 1).float(), x.flatten())
+        logits = m(x) if probe is None else SpeedProbe.apply(m(x), probe)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), x.flatten())
         mark(t)
         loss.backward()
         mark(t)
@@ -81,7 +102,7 @@ def make_step(m, opt, x, marks, sched=None, snapshots=None):
     return step
 
 
-def sched_report(mode, snapshots, steps):
+def sched_report(mode, snapshots, steps, probe):
     """Per phase: the median step's and the slowest step's wall time, and for the threads
     busiest in it, on a CPU / waiting for one / blocked, in ms."""
     lines = []
@@ -93,6 +114,9 @@ def sched_report(mode, snapshots, steps):
             parts = ", ".join(f"{n} {threads.get(n, [0, 0, 0])[0]:.1f}/{threads.get(n, [0, 0, 0])[1]:.1f}/"
                               f"{threads.get(n, [0, 0, 0])[2]:.1f}" for n, _ in busiest)
             lines.append(f"   {phase:8s} {label:7s} {wall:6.1f} ms: {parts}")
+    probe = sorted(probe)
+    lines.append(f"   the same Python on autograd's thread: median {probe[len(probe) // 2] * 1e3:.2f} ms, "
+                 f"fastest {probe[0] * 1e3:.2f}, slowest {probe[-1] * 1e3:.2f}")
     print(f"== {mode}, rank {hvd.rank()}: threads per phase (on a CPU/waiting for one/blocked, ms)\n"
           + "\n".join(lines), flush=True)
 
@@ -133,12 +157,12 @@ def main():
               f"{back_to_back * 1e3:.1f} ms, peak {torch.cuda.max_memory_allocated(dev) / 2**30:.2f} GiB; "
               f"host per phase (median, ms): {phases}; {allocator_calls(before, after, 20)}", flush=True)
         if os.environ.get("HVDZ_SCHEDSTAT") == "1":
-            snapshots, snaps = Snapshots(), []
-            sched_step = make_step(m, opt, x, [], snaps, snapshots)
+            snapshots, snaps, probe = Snapshots(), [], []
+            sched_step = make_step(m, opt, x, [], snaps, snapshots, probe)
             for _ in range(20):
                 sched_step()
             torch.cuda.synchronize()
-            sched_report(mode, snapshots, snaps)
+            sched_report(mode, snapshots, snaps, probe)
         # For a sampling profiler outside (py-spy record --native --threads): steady steps only.
         spin = int(os.environ.get("HVDZ_SPIN_STEPS", "0"))
         if spin:
