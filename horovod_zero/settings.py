@@ -105,6 +105,26 @@ class _Interface:
         return text
 
 
+@dataclass(frozen=True)
+class _CpuLists:
+    """Horovod's HOROVOD_THREAD_AFFINITY: one entry per local rank, comma-separated; an
+    entry is a CPU id or (ours) a range of them."""
+
+    def accepts(self) -> str:
+        return "one CPU id per local rank, comma-separated (e.g. 7,15), each may be a range (e.g. 4-7,12-15)"
+
+    def __call__(self, text: str):
+        out = []
+        for part in text.split(","):
+            first, dash, last = part.strip().partition("-")
+            lo = int(first)  # ValueError when it is no integer
+            hi = int(last) if dash else lo
+            if lo < 0 or hi < lo:
+                raise ValueError
+            out.append(tuple(range(lo, hi + 1)))
+        return tuple(out)
+
+
 # --- the table -----------------------------------------------------------------------
 
 
@@ -174,6 +194,9 @@ VARIABLES = (
     Variable("HOROVOD_AUTOTUNE_CONFIRM_ROUNDS", "autotune_confirm_rounds", "core", _Number(int, 0), 3,
              "autotuning: after the search, rounds measuring its best setting and the starting one in turn; the "
              "best is kept only when it wins by more than their spread (2% at least); 0: no rounds, the best kept"),
+    Variable("HOROVOD_THREAD_AFFINITY", "thread_affinity", "job", _CpuLists(), None,
+             "CPUs for the runtime's own threads (negotiation, CUDA completion), one entry per local rank: "
+             "local rank i's threads run on entry i; unset: where the scheduler puts them"),
     Variable("HOROVOD_GLOO_IFACE", "gloo_iface", "job", _Interface(), "",
              "network interface Gloo uses; unset: the one the hostname resolves to"),
     Variable("HOROVOD_ZERO_SHM_CONTROL", "shm_control", "job", _Bool(), True,
@@ -247,6 +270,7 @@ class Settings:
     autotune_max_samples: int
     autotune_noise: float
     autotune_confirm_rounds: int
+    thread_affinity: Optional[tuple]  # per local rank, a tuple of CPU ids; None: unpinned
     gloo_iface: str
     shm_control: bool
     dynamic_process_sets: bool
@@ -321,6 +345,35 @@ def explicitly_set(names, env=None) -> frozenset:
 def read_section(section: str, env=None) -> dict:
     """The validated values of one section's rows, by field name."""
     return _values([v for v in VARIABLES if v.section == section], env)
+
+
+def thread_cpus(affinity, local_rank: int, local_size: int, allowed) -> list:
+    """This local rank's entry of HOROVOD_THREAD_AFFINITY (`affinity`, parsed; None: []),
+    checked against the CPUs this process may use (`allowed`)."""
+    if affinity is None:
+        return []
+    if len(affinity) < local_size:
+        raise ValueError(f"HOROVOD_THREAD_AFFINITY has {len(affinity)} entr{'y' if len(affinity) == 1 else 'ies'} "
+                         f"for {local_size} local ranks: give one per local rank (entry i is local rank i's), "
+                         "or unset it.")
+    mine = list(affinity[local_rank])
+    outside = [c for c in mine if c not in allowed]
+    if outside:
+        raise ValueError(f"HOROVOD_THREAD_AFFINITY gives local rank {local_rank} CPU "
+                         f"{', '.join(map(str, outside))}, outside the CPUs this process may use "
+                         f"({_cpu_text(sorted(allowed))}): choose CPUs among those.")
+    return mine
+
+
+def _cpu_text(cpus) -> str:
+    """[0, 1, 2, 5] -> '0-2,5', the kernel's list format."""
+    runs = []
+    for c in cpus:
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def core_params(settings: Settings, params):

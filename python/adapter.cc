@@ -474,6 +474,7 @@ class PyRuntime {
     d["copy_stream_bytes"] = p.copy_stream_bytes;
     d["ce_allgather_bytes"] = p.ce_allgather_bytes;
     d["gather_stream"] = p.gather_stream;
+    d["thread_cpus"] = p.thread_cpus;  // HOROVOD_THREAD_AFFINITY, this rank's entry; empty: unpinned
     d["gather_lanes"] = rt_->gather_lanes();
     d["gather_window_bytes"] = rt_->gather_window_bytes();
     d["cuda"] = rt_->has_cuda();
@@ -679,6 +680,7 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("copy_stream_bytes", &Params::copy_stream_bytes)
       .def_readwrite("ce_allgather_bytes", &Params::ce_allgather_bytes)
       .def_readwrite("gather_stream", &Params::gather_stream)
+      .def_readwrite("thread_cpus", &Params::thread_cpus)
       .def_readwrite("autotune", &Params::autotune)
       .def_readwrite("autotune_log", &Params::autotune_log)
       .def_readwrite("autotune_warmup_samples", &Params::autotune_warmup_samples)

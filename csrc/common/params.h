@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "common/logging.h"
 
@@ -28,6 +29,10 @@ struct Params {
   // HOROVOD_ZERO_GATHER_STREAM: CUDA allgathers on a communicator and stream of their
   // own, beside the other collectives; see [Note: the gather lane] in ops/cuda_context.h.
   bool gather_stream = false;
+  // HOROVOD_THREAD_AFFINITY: this local rank's CPUs for the runtime's own threads;
+  // empty: where the scheduler puts them. See [Note: the runtime's threads off the
+  // training threads' CPUs] in common/thread_affinity.h.
+  std::vector<int> thread_cpus;
 
   // Autotuning (autotune/autotuner.h), Horovod's variables and one of ours.
   bool autotune = false;               // HOROVOD_AUTOTUNE

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "common/cuda_status.h"
+#include "common/thread_affinity.h"
 #include "common/thread_timing.h"
 #include "cuda/batched_copy.h"
 
@@ -14,6 +15,7 @@ CudaContext::CudaContext(Lane main, Lane gathers, Allocator& alloc, const Params
       alloc_(alloc),
       timeout_s_(params.transport_timeout_seconds),
       copy_stream_bytes_(params.copy_stream_bytes),
+      thread_cpus_(params.thread_cpus),
       log_(log),
       windows_(windows),
       gather_lanes_(lanes) {
@@ -21,6 +23,7 @@ CudaContext::CudaContext(Lane main, Lane gathers, Allocator& alloc, const Params
   if (lanes_[1].comm) ++gather_lanes_;
   finalizer_ = std::thread([this] {
     UseFineTimerSlack();
+    WarnIfUnpinned(PinThisThread(thread_cpus_), "hvdz-finalize", thread_cpus_, log_);
     NameThisThread("hvdz-finalize");
     FinalizerLoop();
   });

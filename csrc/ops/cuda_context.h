@@ -113,6 +113,7 @@ class CudaContext : public DeviceContext {
   Allocator& alloc_;
   double timeout_s_;
   int64_t copy_stream_bytes_;
+  std::vector<int> thread_cpus_;  // HOROVOD_THREAD_AFFINITY: where the finalizer runs
   const Logger& log_;
   std::atomic<int64_t>& windows_;
   std::atomic<int>& gather_lanes_;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 
+#include "common/thread_affinity.h"
 #include "common/thread_timing.h"
 #include "fusion/fusion_plan.h"
 #include "runtime/device_maps.h"
@@ -51,6 +52,8 @@ Status Runtime::Start() {
   if (tuner_) HVDZ_RETURN_IF_ERROR(tuner_->Open());
   thread_ = std::thread([this] {
     UseFineTimerSlack();
+    // Pinned before it is named: a thread seen under its name is already where it runs.
+    WarnIfUnpinned(PinThisThread(params_.thread_cpus), "hvdz-cycle", params_.thread_cpus, logger_);
     NameThisThread("hvdz-cycle");
     Loop();
   });

@@ -3,6 +3,7 @@ this process's place in the job. init() itself, which also registers process set
 (a collective step), is job.py's."""
 
 import atexit
+import os
 import threading
 
 import torch
@@ -61,6 +62,9 @@ def _start(config):
         # The driver gives up after the elastic timeout and says why: this process waits longer.
         take_next_slot(config.elastic_timeout_seconds + config.transport_timeout_seconds)
     world = detect_world()
+    # Before the rendezvous: a bad entry fails this rank at once.
+    thread_cpus = _settings.thread_cpus(config.thread_affinity, world.local_rank, world.local_size,
+                                        os.sched_getaffinity(0))
     threads = rank_threads(world.local_size)  # None: OMP_NUM_THREADS chose, or one rank on the host
     if threads is not None:
         torch.set_num_threads(threads)
@@ -71,9 +75,11 @@ def _start(config):
     backend = make_gloo_backend(store, world, timeout, config.gloo_iface)
     homogeneous = _all_local_sizes_equal(backend, world)
     shm_name = shm_control_name(store, world, config.shm_control)
+    params = _settings.core_params(config, _core.Params())
+    params.thread_cpus = thread_cpus
     runtime = _core.Runtime(
         backend, world.rank, world.size, world.local_rank, world.local_size, world.cross_rank, world.cross_size,
-        shm_name, _settings.core_params(config, _core.Params()),
+        shm_name, params,
     )
     _state.world, _state.store, _state.backend, _state.runtime = world, store, backend, runtime
     _state.exact_gradients, _state.homogeneous = config.exact_gradients, homogeneous
