@@ -18,7 +18,7 @@ class Watch:
         self.automatic = {}  # generation -> durations in s
         self.asked = []  # durations of gc.collect() calls, in s
         self._began = None
-        self._explicit = False
+        self._explicit = 0  # gc.collect() calls in progress (a finalizer may call it again)
 
     def __call__(self, phase, info):
         if phase == "start":
@@ -32,11 +32,11 @@ class Watch:
 
     def collect(self, original):
         def explicit(*args, **kwargs):
-            self._explicit = True
+            self._explicit += 1
             try:
                 return original(*args, **kwargs)
             finally:
-                self._explicit = False
+                self._explicit -= 1
         return explicit
 
     def report(self, rank):

@@ -73,6 +73,8 @@ def main():
     if len(sys.argv) < 2:
         raise SystemExit(__doc__)
     roles = os.environ.get("PIN_ROLES", "all")
+    if roles not in ("all", "runtime"):
+        raise SystemExit(f"pin_threads: PIN_ROLES={roles!r}; use all or runtime.")
     where = placement(share(), roles)
     print(f"local rank {os.environ.get('LOCAL_RANK', 0)}: {roles}: {where}", flush=True)
     stop = threading.Event()

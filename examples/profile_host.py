@@ -54,8 +54,8 @@ def allocator_calls(before, after, steps):
 
 
 class SpeedProbe(torch.autograd.Function):
-    """Passes its input through; its backward, the first node of a backward, times a fixed
-    piece of pure Python on autograd's thread."""
+    """Passes its input through; its backward, at the start of the model's backward (after
+    the loss's), times a fixed piece of pure Python on autograd's thread."""
 
     @staticmethod
     def forward(ctx, x, times):
@@ -111,9 +111,10 @@ def sched_report(mode, snapshots, steps, probe):
         rows.sort(key=lambda r: r[0])
         busiest = sorted(rows[len(rows) // 2][1].items(), key=lambda kv: -kv[1][0])[:4]
         for label, (wall, threads) in (("median", rows[len(rows) // 2]), ("slowest", rows[-1])):
-            parts = ", ".join(f"{n} {threads.get(n, [0, 0, 0])[0]:.1f}/{threads.get(n, [0, 0, 0])[1]:.1f}/"
-                              f"{threads.get(n, [0, 0, 0])[2]:.1f}" for n, _ in busiest)
+            parts = ", ".join("{} {:.1f}/{:.1f}/{:.1f}".format(n, *threads.get(n, (0, 0, 0))) for n, _ in busiest)
             lines.append(f"   {phase:8s} {label:7s} {wall:6.1f} ms: {parts}")
+    cost = sorted(snapshots.cost_ns)[len(snapshots.cost_ns) // 2] / 1e6
+    lines.append(f"   (a snapshot of the threads took {cost:.2f} ms of the main thread's phase, median)")
     probe = sorted(probe)
     lines.append(f"   the same Python on autograd's thread: median {probe[len(probe) // 2] * 1e3:.2f} ms, "
                  f"fastest {probe[0] * 1e3:.2f}, slowest {probe[-1] * 1e3:.2f}")
@@ -163,6 +164,7 @@ def main():
                 sched_step()
             torch.cuda.synchronize()
             sched_report(mode, snapshots, snaps, probe)
+            del sched_step  # it holds the model and the optimizer: the next mode's peak is its own
         # For a sampling profiler outside (py-spy record --native --threads): steady steps only.
         spin = int(os.environ.get("HVDZ_SPIN_STEPS", "0"))
         if spin:

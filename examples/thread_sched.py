@@ -9,45 +9,46 @@ import time
 TASKS = "/proc/self/task"
 
 
-def _name(tid):
-    try:
-        with open(f"{TASKS}/{tid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return "?"
+def _read(path):
+    with open(path) as f:
+        return f.read()
 
 
 class Snapshots:
     def __init__(self):
-        self._names = {}
+        self.cost_ns = []  # what each take() cost the calling thread, wall time
 
     def take(self):
-        """(wall ns, {tid: (on a CPU ns, waiting for a CPU ns)})."""
+        """(wall ns, {tid: (name, on a CPU ns, waiting for a CPU ns)}); the time is taken
+        before the threads are read, so each interval carries one read's cost."""
+        t = time.perf_counter_ns()
         out = {}
         for tid in os.listdir(TASKS):
             try:
-                with open(f"{TASKS}/{tid}/schedstat") as f:
-                    run, wait, _ = f.read().split()
+                run, wait, _ = _read(f"{TASKS}/{tid}/schedstat").split()
+                out[tid] = (_read(f"{TASKS}/{tid}/comm").strip(), int(run), int(wait))
             except (OSError, ValueError):
                 continue  # the thread ended meanwhile
-            out[tid] = (int(run), int(wait))
-        return time.perf_counter_ns(), out
+        self.cost_ns.append(time.perf_counter_ns() - t)
+        return t, out
 
-    def name(self, tid):
-        if tid not in self._names:
-            self._names[tid] = _name(tid)
-        return self._names[tid]
-
-    def between(self, a, b):
-        """{thread name: [on a CPU, waiting, blocked] in ms} from snapshot a to b; threads of
-        one name (NCCL's, Gloo's) are summed, so their blocked time counts once per thread."""
+    @staticmethod
+    def between(a, b):
+        """{thread name: [on a CPU, waiting, blocked] in ms} from snapshot a to b, by the name
+        each thread has at b; threads of one name (NCCL's, Gloo's) are summed, so their
+        blocked time counts once per thread. A thread that started in between counts its
+        time on a CPU and waiting, not blocked: when it began is unknown. A thread that ended
+        in between is not counted."""
         wall = (b[0] - a[0]) / 1e6
         out = {}
-        for tid, (run, wait) in b[1].items():
-            run0, wait0 = a[1].get(tid, (0, 0))
-            r, w = (run - run0) / 1e6, (wait - wait0) / 1e6
-            row = out.setdefault(self.name(tid), [0.0, 0.0, 0.0])
+        for tid, (name, run, wait) in b[1].items():
+            before = a[1].get(tid)
+            new = before is None
+            run0, wait0 = (0, 0) if new else before[1:]
+            r, w = max(run - run0, 0) / 1e6, max(wait - wait0, 0) / 1e6
+            row = out.setdefault(name, [0.0, 0.0, 0.0])
             row[0] += r
             row[1] += w
-            row[2] += max(wall - r - w, 0.0)
+            row[2] += 0.0 if new else max(wall - r - w, 0.0)
         return wall, out
+

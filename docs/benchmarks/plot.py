@@ -207,8 +207,9 @@ def breakdown(rows):
     """The step breakdown (bench_zero.py --breakdown) as stacked bars: the newest run per
     model, micro-batch and AdamW kernel that has a peer beside ours (else the newest); a
     tick marks each system's unprofiled median step."""
+    # Eager blocks only: a compiled run has its own, lower floor (docs/benchmarks.md has both).
     split = [r for r in rows if r["benchmark"] == "bench_zero" and r["commit"] and "env" not in r["settings"]
-             and "gpu_idle_ms" in r["metrics"]]
+             and "gpu_idle_ms" in r["metrics"] and not r["settings"].get("compile") and not r["settings"].get("ac")]
     runs = OrderedDict()
     for r in split:
         s = r["settings"]
@@ -234,7 +235,7 @@ def breakdown(rows):
         if floor:
             ax.axhline(floor["metrics"]["step_ms"], color="grey", ls="--", lw=1, label="floor's median step")
         ax.set_xticks(range(len(bars)), [short_name(r) for r in bars], fontsize=8)
-        ax.set_title(f"{model.split(' decoder')[0]}, micro-batch {mb}, AdamW {adam}\n"
+        ax.set_title(f"{model.split(' decoder')[0]}, micro-batch {mb}, AdamW {adam}, eager\n"
                      f"{bars[0]['machine']}, {when(bars[0])}", fontsize=8.5)
         ax.set_ylabel("ms per profiled step")
         ax.grid(axis="y", alpha=0.3)
