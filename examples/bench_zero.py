@@ -14,8 +14,9 @@ max_memory_allocated over ranks. Gradients are reduced in bf16 by every system u
     torchrun --nproc_per_node=4 examples/bench_zero.py --sim-nodes 2 --modes zero3,zero3+hybrid,fsdp2+reshard,fsdp2+hsdp
 
 A mode may carry environment settings for its optimizer and the runtime:
-zero3@HOROVOD_ZERO_PREFETCH=2. Each horovod_zero mode starts a fresh runtime (hvd.shutdown()
-and hvd.init()), as a job of its own would, unless HOROVOD_AUTOTUNE=1.
+zero3@HOROVOD_ZERO_PREFETCH=2 (a value may hold commas: zero2@HOROVOD_THREAD_AFFINITY=8-11,24-27).
+Each horovod_zero mode starts a fresh runtime (hvd.shutdown() and hvd.init()), as a job of its
+own would, unless HOROVOD_AUTOTUNE=1.
 zero2+ostep and zero3+ostep pass overlap_step=True: each shard is stepped during backward.
 With HOROVOD_AUTOTUNE=1 the first horovod_zero mode first trains, untimed, until the
 autotuner has kept its best setting (at most --tune-max-steps steps), and its line says
@@ -256,6 +257,18 @@ def bytes_by_set(stats, opt, steps):
             "cross" if s["process_set"] == cross else "global"
         split[kind] += s["bytes"]
     return {k: v / steps / 2**20 for k, v in split.items()}
+
+
+def split_modes(text):
+    """--modes, split at its commas; a piece that starts with a digit continues the previous
+    mode's setting (zero2@HOROVOD_THREAD_AFFINITY=8-11,24-27): a mode's name starts with a letter."""
+    modes = []
+    for piece in text.split(","):
+        if modes and piece[:1].isdigit():
+            modes[-1] += "," + piece
+        else:
+            modes.append(piece)
+    return modes
 
 
 def model_flags(mode, compile_all=False, ac_all=False):
@@ -534,7 +547,7 @@ def main():
         rows.append(result_row(args, cfg, "floor", dict(compile=args.compile, ac=args.ac),
                                dict(step_ms=t * 1e3, back_to_back_ms=tb * 1e3, peak_gib=peak,
                                     gpu_busy_ms=floor_busy * 1e3)))
-    for mode in args.modes.split(","):
+    for mode in split_modes(args.modes):
         base, compiled, ac = model_flags(mode.split("@")[0], args.compile, args.ac)
         label = f"{base}{'@' + mode.split('@', 1)[1] if '@' in mode else ''}{'+compile' if compiled else ''}" \
                 f"{'+ac' if ac else ''}"
