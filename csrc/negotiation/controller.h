@@ -87,8 +87,8 @@ class Controller {
   // is reported once until the tensor is answered, however its request travels meanwhile
   // (a cache entry evicted or invalidated sends it again on the slow path). Tracking
   // starts by learning the cache bits pending, which may have arrived before it: those
-  // rounds lack those ranks' marks (examples/timeline_late.py leaves them out). Off by default: it costs a pass over every rank's bits in each
-  // cycle.
+  // rounds lack those ranks' marks (examples/timeline_late.py leaves them out). Off by
+  // default: it costs a pass over every rank's bits in each cycle.
   void TrackArrivals(bool on);
   const ResponseCache& cache() const { return cache_; }
   uint64_t slow_path_cycles() const { return slow_path_cycles_; }
