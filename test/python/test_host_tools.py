@@ -2,7 +2,8 @@
 (the collector's runs during a script) and examples/pin_threads.py (a rank's threads pinned by
 role), on inputs whose answer is known: hand-made snapshots and a thread that spins then
 sleeps, a child that makes cycles with the collector on and off (and a finalizer that collects
-inside a collection), and a thread the watcher pins."""
+inside a collection), and a thread the watcher pins; and examples/cpu_speed.py (one CPU's speed
+beside a spinner on each other CPU), whose output must name every other CPU once."""
 
 import os
 import subprocess
@@ -116,3 +117,22 @@ def test_the_watcher_pins_a_thread_by_its_role_and_leaves_itself_alone():
     watcher.join()
     assert seen["worker"] == {cpu}
     assert os.sched_getaffinity(0) != {cpu} or len(os.sched_getaffinity(0)) == 1  # main: role "main", not moved
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_cpu_speed_times_one_cpu_alone_and_beside_each_other_cpu():
+    cpus = sorted(os.sched_getaffinity(0))
+    out = subprocess.run([sys.executable, os.path.join(EXAMPLES, "cpu_speed.py"), str(cpus[0]), "5"],
+                         capture_output=True, text=True, timeout=120, check=True).stdout.splitlines()
+    alone = out[0].split(": ")[1].split()
+    assert len(alone) == 3 and all(float(x) > 0 for x in alone), out
+    beside = dict(item.split(":") for item in out[1].split(": ", 1)[1].split(", "))
+    assert sorted(map(int, beside)) == cpus[1:], out  # every other CPU once, never the probe's own
+    assert all(float(v) > 0 for v in beside.values()), out
+
+
+def test_cpu_speed_refuses_a_cpu_it_may_not_use():
+    bad = max(os.sched_getaffinity(0)) + 1
+    res = subprocess.run([sys.executable, os.path.join(EXAMPLES, "cpu_speed.py"), str(bad)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode != 0 and f"CPU {bad} is not one this process may use" in res.stderr
